@@ -30,17 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mooncake._extras import needs_extra
+from mooncake._extras import script_needs_extra
 from mooncake.cli import OneLineParser
-from mooncake.errors import ConfigError, MooncakeError
+from mooncake.errors import MooncakeError
 
-try:
-    with needs_extra("examples/cluster.py"):  # the gateway's aiohttp: the cluster extra, named (not a traceback)
-        from serving.config import load_config
-        from serving.launch import CLOSE_S, start_cluster
-        from serving.machine import Machine
-except ConfigError as missing:
-    raise SystemExit(f"cluster: {missing}") from None
+with script_needs_extra("cluster"):  # the gateway's aiohttp: the cluster extra, named (not a traceback)
+    from serving.config import load_config
+    from serving.launch import CLOSE_S, start_cluster
+    from serving.machine import Machine
 
 STOP_REPORT_S = CLOSE_S + 10.0  # longer than a stop of local workers takes by design, with a margin
 MAX_PORT = 65_535

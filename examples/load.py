@@ -70,16 +70,13 @@ import simulation
 from scaling import Scaling, add_scaling_options, output_of, prompt_of, scaling_of
 
 from mooncake import _json
-from mooncake._extras import needs_extra
+from mooncake._extras import script_needs_extra
 from mooncake.cli import OneLineParser, error_message, file_path, folder_path, one_line, run_interruptible
 from mooncake.errors import ConfigError, MooncakeError, PeerUnavailable
 
-try:
-    with needs_extra("examples/load.py"):  # its HTTP client: the cluster extra, named (not a traceback)
-        import aiohttp
-        from serving.api import DECODE_HEADER, PREFILL_HEADER
-except ConfigError as missing:
-    raise SystemExit(f"load: {missing}") from None
+with script_needs_extra("load"):  # its HTTP client: the cluster extra, named (not a traceback)
+    import aiohttp
+    from serving.api import DECODE_HEADER, PREFILL_HEADER
 from mooncake.sched.outcome import Outcome, Reason, reason_named
 from mooncake.sim.metrics import RequestRecord, summarize, top_mean
 from mooncake.sim.report import summary_table, write_json

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from mooncake.errors import ConfigError
 
-__all__ = ["EXTRAS", "missing_extra", "needs_extra"]
+__all__ = ["EXTRAS", "missing_extra", "needs_extra", "script_needs_extra"]
 
 # Top-level import name -> the extra of pyproject.toml's [project.optional-dependencies] that installs it.
 EXTRAS = {
@@ -61,3 +61,21 @@ def needs_extra(needed_by: str) -> Iterator[None]:
         if package not in EXTRAS:
             raise
         raise missing_extra(needed_by, package) from error
+
+
+@contextlib.contextmanager
+def script_needs_extra(program: str) -> Iterator[None]:
+    """`needs_extra` for a script's top-level imports: a missing extra ends the script with a one-line message.
+
+    Args:
+        program: the script's name, the prefix of its messages ("cluster", "load").
+
+    Raises:
+        SystemExit: an import in the block failed for want of an extra's package; the message is
+            "PROGRAM: " and the `ConfigError` that names the package and the extra, with no traceback.
+    """
+    try:
+        with needs_extra(f"examples/{program}.py"):
+            yield
+    except ConfigError as missing:
+        raise SystemExit(f"{program}: {missing}") from None

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncake._extras import EXTRAS, missing_extra, needs_extra
+from mooncake._extras import EXTRAS, missing_extra, needs_extra, script_needs_extra
 from mooncake.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +150,18 @@ def test_a_missing_package_or_its_submodule_names_its_extra(package: str, inner:
     assert str(caught.value) == str(missing_extra(needed_by, package))
     assert f"{needed_by} needs {package}: the {EXTRAS[package]} extra" in str(caught.value)
     assert caught.value.__cause__ is cause
+
+
+@given(package=st.sampled_from(sorted(EXTRAS)), program=st.from_regex(r"[a-z_]{1,12}", fullmatch=True))
+def test_a_script_lacking_an_extra_exits_with_one_line_naming_it(package: str, program: str) -> None:
+    """`script_needs_extra` ends the script with "PROGRAM: " and `needs_extra`'s message, traceback suppressed;
+    an import error no extra explains passes through."""
+    with pytest.raises(SystemExit) as caught, script_needs_extra(program):
+        raise ModuleNotFoundError("not installed", name=package)
+    assert caught.value.code == f"{program}: {missing_extra(f'examples/{program}.py', package)}"
+    assert caught.value.__suppress_context__
+    with pytest.raises(ModuleNotFoundError), script_needs_extra(program):
+        import mooncake_no_such_module  # type: ignore[import-not-found]  # noqa: F401
 
 
 def test_every_package_is_listed_in_its_extra() -> None:
