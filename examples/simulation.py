@@ -550,17 +550,17 @@ def refuse_unpredicted(
 def refuse_unthresholded(
     parser: argparse.ArgumentParser, args: argparse.Namespace, *, given: Mapping[str, str] | None = None
 ) -> None:
-    """--threshold given to a run that never reads it: no kvcache_centric among its routers (`--router`, or the
-    scheduling experiment's `--routers`; `registry.router` gives no other the threshold: the built-in ones plan no
-    transfer, a FILE.py:FACTORY router is not passed it), or local caches (nothing is transferred).
+    """--threshold given to a run that never reads it: none of `registry.THRESHOLD_ROUTERS` (the routers
+    `registry.router` gives it to) among its routers (`--router`, or the scheduling experiment's `--routers`), or
+    local caches (nothing is transferred).
 
     Raises:
         ConfigError: naming --threshold and what keeps it unread.
     """
     routers = getattr(args, "routers", None)
     option, named = ("--router", [args.router]) if routers is None else ("--routers", list(routers))
-    if "kvcache_centric" not in named:
-        why = f"to {option} {','.join(named)}: only kvcache_centric reads it"
+    if registry.THRESHOLD_ROUTERS.isdisjoint(named):
+        why = f"to {option} {','.join(named)}: only {', '.join(sorted(registry.THRESHOLD_ROUTERS))} reads it"
         refuse_unused(parser, args, ("threshold",), why, given=given)
     elif not args.global_pool:
         why = "with --local-cache: without a global pool nothing is transferred"

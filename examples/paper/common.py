@@ -54,8 +54,8 @@ def what_stops_transfers(*, router: str, threshold: float, global_pool: bool) ->
         return "--local-cache", "without a global pool nothing is transferred"
     if router in registry.NO_TRANSFER_ROUTERS:
         return f"--router {router}", "it never plans a transfer"
-    if router == "kvcache_centric" and math.isinf(threshold):
-        return "--threshold inf", "kvcache_centric then never plans a transfer"
+    if router in registry.THRESHOLD_ROUTERS and math.isinf(threshold):
+        return "--threshold inf", f"{router} then never plans a transfer"
     return None
 
 

@@ -32,7 +32,16 @@ from mooncake.sched.router import (
 )
 from mooncake.types import Request, Slo
 
-__all__ = ["ADMISSIONS", "NO_TRANSFER_ROUTERS", "PREDICTORS", "ROUTERS", "admission", "predictor", "router"]
+__all__ = [
+    "ADMISSIONS",
+    "NO_TRANSFER_ROUTERS",
+    "PREDICTORS",
+    "ROUTERS",
+    "THRESHOLD_ROUTERS",
+    "admission",
+    "predictor",
+    "router",
+]
 
 # name → the router factory, given the KV-cache-centric router's kvcache_balancing_threshold
 ROUTERS: dict[str, Callable[[float], RouterFactory]] = {
@@ -42,9 +51,12 @@ ROUTERS: dict[str, Callable[[float], RouterFactory]] = {
     "local_cache_aware": lambda _threshold: local_cache_aware_router,
     "kvcache_centric": lambda threshold: functools.partial(KvCacheCentricRouter, threshold=threshold),
 }
-# Those that never plan a transfer: only KvCacheCentricRouter at a finite threshold does (local_cache_aware is it at
-# an infinite one). A FILE.py:FACTORY router may: it is not presumed either way.
-NO_TRANSFER_ROUTERS = frozenset({"random", "round_robin", "load_balancing", "local_cache_aware"})
+# The built-in routers `router` gives the threshold to; a FILE.py:FACTORY router is not given it.
+THRESHOLD_ROUTERS = frozenset({"kvcache_centric"})
+# Those that never plan a transfer: of the built-in ones only a router the threshold reaches does, and only at a
+# finite one (local_cache_aware is kvcache_centric at an infinite one). A FILE.py:FACTORY router may: it is not
+# presumed either way.
+NO_TRANSFER_ROUTERS = frozenset(ROUTERS) - THRESHOLD_ROUTERS
 
 ADMISSIONS: dict[str, Callable[[], AdmissionPolicy]] = {
     "baseline": BaselineAdmission,
