@@ -201,6 +201,30 @@ def test_every_served_name_is_the_models_and_models_lists_every_card(
         assert hits == {MODEL: 4 * BLOCK, "tiny-alias": 4 * BLOCK, "sql-lora": 0}
 
 
+def test_a_scored_prompt_is_planned_without_the_cached_prefix(stand_ins: list[StandIn], tokenizer_dir: Path) -> None:
+    """vLLM reads no cached prefix for a request that scores its prompt (`prompt_logprobs`, or `echo` with
+    `logprobs`): the proxy plans such a request as computed whole (X-Mooncake-Cached-Tokens 0) where the same
+    prompt unscored hits the prefix the servers hold."""
+    with BackgroundRouter(proxy_config(stand_ins, tokenizer_dir)) as router:
+        prompt = list(range(1, 4 * BLOCK + 2))
+        for instance in ("vllm-0", "vllm-1"):
+            router.read(lambda r, i=instance: stored(r.fleet, i, prompt[: 4 * BLOCK], 0))
+        scoring: dict[str, dict[str, Any]] = {
+            "plain": {},
+            "prompt_logprobs": {"prompt_logprobs": 1},
+            "echo": {"echo": True, "logprobs": 1},
+            "echo_alone": {"echo": True},
+        }
+        hits = {}
+        for name, extra in scoring.items():
+            status, headers, _ = post(
+                f"{router.url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
+            )
+            assert status == 200, name
+            hits[name] = int(headers["X-Mooncake-Cached-Tokens"])
+        assert hits == {"plain": 4 * BLOCK, "prompt_logprobs": 0, "echo": 0, "echo_alone": 4 * BLOCK}
+
+
 def test_the_probe_reads_the_served_names_and_adapter_reads_them(stand_ins: list[StandIn], tokenizer_dir: Path) -> None:
     """The probe's `served_names` are the cards without a parent; `_adapter` takes any of them for the model
     and one name as one name, not its letters."""
