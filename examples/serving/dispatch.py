@@ -592,7 +592,8 @@ class Dispatcher:
             self._finished(live, _unfinished(reason), now)
         if (cancel or reason in (Reason.CLIENT_GONE, Reason.TIMEOUT)) and self.workers[live.decode].up:
             # Stop the decode engine from generating for nobody (it ignores requests it does not hold).
-            self._calls[live.decode].submit(self._cancel, live.decode, live.request_id, True)  # ended: every attempt
+            stop = wire.CancelDecode(request_id=int(live.request_id), every_attempt=True)  # ended: every attempt
+            self._calls[live.decode].submit(self._tell, live.decode, stop)
         if reason in (Reason.CLIENT_GONE, Reason.TIMEOUT) and live.joined_s is None:
             self._abandon(live)  # nor prefill it for nobody
         if outcome is Outcome.COMPLETED:
@@ -650,11 +651,6 @@ class Dispatcher:
             held, waiting = loads.get(engine, (0, 0))
             loads[engine] = (held + 1, waiting) if running else (held, waiting + 1)
         return loads
-
-    def _cancel(self, instance: InstanceId, request_id: RequestId, every_attempt: bool) -> None:
-        """Cancel the request on decode engine `instance`: `every_attempt` where it ended (`wire.CancelDecode`)."""
-        # Unanswered: a dead engine generates nothing; a live one is cancelled by the next health probe.
-        self._tell(instance, wire.CancelDecode(request_id=int(request_id), every_attempt=every_attempt))
 
     def _abandon(self, live: LiveRequest) -> None:
         """The request's current attempt will not be served: its prefill worker drops the job (told now, or when it
@@ -875,8 +871,10 @@ class Dispatcher:
         for request_id in health.active:
             live = self.live.get(RequestId(request_id))  # type: ignore[arg-type]
             if live is None or live.decode != instance:  # ended while it was down, or rescheduled elsewhere
-                ended = live is None
-                self._calls[instance].submit(self._cancel, instance, RequestId(request_id), ended)  # type: ignore[arg-type]
+                # Where it ended, every attempt; else only the one there. Unanswered: a dead engine generates
+                # nothing; a live one that missed this is cancelled by the next health probe.
+                stop = wire.CancelDecode(request_id=request_id, every_attempt=live is None)
+                self._calls[instance].submit(self._tell, instance, stop)
 
     def _peer_gone(self, state: WorkerState) -> None:
         """Its process is dead: the other workers end the leases it held with them at once (pins it took to

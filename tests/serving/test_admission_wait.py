@@ -73,8 +73,8 @@ class Calls:
 
     sent: list[Any] = attrs.field(factory=list)
 
-    def submit(self, function: Any, _instance: str, message: Any, *_rest: Any) -> concurrent.futures.Future[None]:
-        self.sent.append(function.__name__ if function.__name__ == "_cancel" else type(message).__name__)
+    def submit(self, _function: Any, _instance: str, message: Any) -> concurrent.futures.Future[None]:
+        self.sent.append(type(message).__name__)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         done.set_result(None)
         return done
@@ -144,7 +144,7 @@ def test_a_client_leaving_as_its_turn_came_passes_the_turn_on(leaves_first: bool
             await settle()
             assert b.cancelled() and c.done() and not c.cancelled()
             assert set(d.conductor.in_flight) == {c.result().request_id}
-            assert (sent(d, DECODE), sent(d, PREFILL)) == (["_cancel"], ["CancelPrefill"])  # B's, never sent
+            assert (sent(d, DECODE), sent(d, PREFILL)) == (["CancelDecode"], ["CancelPrefill"])  # B's, never sent
             e = asyncio.create_task(admitting(d, 3000)())
             await settle()
             assert len(d._waiting) == 1

@@ -66,9 +66,7 @@ class Recorder:
     held: bool = False
     fails: bool = False
 
-    def submit(self, function: Any, _instance: str, message: Any, *rest: Any) -> concurrent.futures.Future[None]:
-        if function.__name__ == "_cancel":
-            message = wire.CancelDecode(request_id=int(message), every_attempt=rest[0])
+    def submit(self, _function: Any, _instance: str, message: Any) -> concurrent.futures.Future[None]:
         self.sent.append(message)
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         if self.fails:
