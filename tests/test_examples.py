@@ -1005,25 +1005,6 @@ def test_the_predictor_option_chooses_the_predictive_policys_predictor() -> None
     assert done.returncode == 0 and "SLO attainment" in done.stdout
 
 
-def test_the_threshold_reaches_exactly_the_threshold_routers() -> None:
-    """`registry.THRESHOLD_ROUTERS`, which --threshold's refusal and the paper experiments' "what stops transfers"
-    both ask, names exactly the built-in routers `registry.router` gives the threshold to; the others never
-    transfer."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from serving import registry
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    from mooncake.sched.build import ttft_estimator
-    from mooncake.sched.cost import HARDWARE, MODELS
-
-    estimator = ttft_estimator(MODELS["llama2-70b"], HARDWARE["8xA800"])
-    for name in registry.ROUTERS:
-        made = registry.router(name, threshold=2.5)(estimator)
-        assert (getattr(made, "threshold", None) == 2.5) == (name in registry.THRESHOLD_ROUTERS), name
-    assert set(registry.ROUTERS) >= registry.THRESHOLD_ROUTERS
-
-
 @pytest.mark.parametrize(
     ("argv", "stated"),
     [

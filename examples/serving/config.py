@@ -3,7 +3,7 @@
     [model]    preset, path, served_model_name, seed, dtype, block_tokens
     [cluster]  num_prefill, num_decode, host, port, api_key
     [cache]    dram_blocks, ssd_blocks, ssd_dir          (per node)
-    [policy]   router, admission, threshold
+    [policy]   router, admission, threshold              (router: a name, or FILE.py:FACTORY)
     [slo]      ttft_s, tbt_s
     [prefill]  chunk_tokens, profile, pipeline_size      (profile: JSON from examples/profile_engine.py)
     [decode]   max_batch_size, max_context_tokens
@@ -64,7 +64,7 @@ from mooncake.errors import ConfigError
 from mooncake.sched.router import DEFAULT_THRESHOLD
 from mooncake.types import Slo
 from serving.machine import Machine, check_machine
-from serving.registry import ADMISSIONS, ROUTERS
+from serving.registry import ADMISSIONS, router_problem
 
 __all__ = [
     "CacheSection",
@@ -309,10 +309,11 @@ class CacheSection:
 
 @attrs.frozen(kw_only=True)
 class PolicySection:
-    """`[policy]`: the router and admission policy by name, and the cache-aware router's threshold."""
+    """`[policy]`: the router (by name, or FILE.py:FACTORY) and admission policy by name, and the cache-aware
+    router's threshold."""
 
     NAME: ClassVar[str] = "policy"
-    router: str = _setting("kvcache_centric", allowed=tuple(ROUTERS))
+    router: str = _setting("kvcache_centric", text=router_problem)
     admission: str = _setting("early_rejection", allowed=tuple(ADMISSIONS))
     threshold: float = _setting(DEFAULT_THRESHOLD, minimum=1.0)
 

@@ -41,6 +41,7 @@ __all__ = [
     "admission",
     "predictor",
     "router",
+    "router_problem",
 ]
 
 # name → the router factory, given the KV-cache-centric router's kvcache_balancing_threshold
@@ -88,6 +89,9 @@ def predictor(name: str, requests: Sequence[Request], slo: Slo) -> LoadPredictor
     return PREDICTORS[name](requests, slo)
 
 
+_ROUTER_NAMES = f"must be one of {', '.join(ROUTERS)} or FILE.py:FACTORY"
+
+
 def router(name: str, *, threshold: float = DEFAULT_THRESHOLD) -> RouterFactory:
     """The router factory called `name`: one of `ROUTERS`, or FILE.py:FACTORY / package.module:FACTORY.
 
@@ -98,7 +102,7 @@ def router(name: str, *, threshold: float = DEFAULT_THRESHOLD) -> RouterFactory:
         return ROUTERS[name](threshold)
     where, colon, attribute = name.rpartition(":")
     if not colon or not where or not attribute:
-        raise ConfigError(f"router must be one of {', '.join(ROUTERS)} or FILE.py:FACTORY, got {name!r}")
+        raise ConfigError(f"router {_ROUTER_NAMES}, got {name!r}")
     if where.endswith(".py"):
         module = _load_file(Path(where))
     else:
@@ -112,6 +116,17 @@ def router(name: str, *, threshold: float = DEFAULT_THRESHOLD) -> RouterFactory:
     if not callable(factory):
         raise ConfigError(f"{where} has no callable {attribute!r}")
     return factory  # type: ignore[no-any-return]
+
+
+def router_problem(name: str) -> str | None:
+    """Why `name` names no router factory `router` can make (None: it names one), for a config file's field
+    check. A FILE.py:FACTORY is loaded to find out, as `router` would load it."""
+    try:
+        router(name)
+    except ConfigError as error:
+        # the field's check names the value itself: an unknown name is told only what names are
+        return _ROUTER_NAMES if ":" not in name else str(error)
+    return None
 
 
 def _load_file(path: Path) -> ModuleType:

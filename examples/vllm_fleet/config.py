@@ -3,7 +3,7 @@
     [router]
     host = "127.0.0.1"        # where the router listens
     port = 0                  # 0: any free port
-    policy = "kvcache_centric" # the routers by name (serving.registry.ROUTERS)
+    policy = "kvcache_centric" # a router by name (serving.registry.ROUTERS), or FILE.py:FACTORY
     admission = "early_rejection"
     block_size = 32           # the servers' --block-size
     tokenizer = "/models/x"   # a directory with the served model's tokenizer
@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 
 import attrs
 from serving.config import _SHOWN, _api_key, _document, _host, _name, _path, _seconds, _setting
-from serving.registry import ADMISSIONS, ROUTERS
+from serving.registry import ADMISSIONS, router_problem
 from vllm_events import zmq_port_problem
 
 from mooncake._checks import shown
@@ -138,7 +138,7 @@ class RouterSection:
     NAME: ClassVar[str] = "router"
     host: str = _setting("127.0.0.1", text=_host)
     port: int = _setting(8000, minimum=0, maximum=65_535)
-    policy: str = _setting("kvcache_centric", allowed=tuple(ROUTERS))
+    policy: str = _setting("kvcache_centric", text=router_problem)
     admission: str = _setting("early_rejection", allowed=tuple(ADMISSIONS))
     threshold: float = _setting(DEFAULT_THRESHOLD, minimum=1.0)
     block_size: int = _setting(16, minimum=1, maximum=65_536)

@@ -39,6 +39,7 @@ from serving import registry, wire
 from serving.config import SECTIONS, ClusterConfig, load_config
 from serving.machine import Machine
 from serving.metrics import FINISH_REASONS, FinishedRequest, HistogramBounds, ServingMetrics, latency_buckets
+from serving.models import build_conductor
 from serving.reporter import Reporter
 
 from mooncake.errors import ConfigError, MooncakeError
@@ -768,12 +769,16 @@ def test_overrides_keep_the_sections_other_keys_and_objectives_cap_ttft() -> Non
 # ---------------------------------------------------------------------------------------------- registry
 
 
-def test_policy_names_resolve_and_the_threshold_reaches_the_router() -> None:
-    """Every router name makes a router from the estimator; the cache-aware one gets the threshold asked for."""
+def test_policy_names_resolve_and_the_threshold_reaches_the_threshold_routers() -> None:
+    """Every router name makes a router from the estimator; the threshold asked for reaches exactly those of
+    `registry.THRESHOLD_ROUTERS`, which --threshold's refusal and the paper experiments' `what_stops_transfers`
+    both ask."""
     estimator = ttft_estimator(MODELS["llama3-70b"], HARDWARE["8xA800"])
     for name in registry.ROUTERS:
-        assert registry.router(name, threshold=3.0)(estimator) is not None, name
-    assert registry.router("kvcache_centric", threshold=3.0)(estimator).threshold == 3.0
+        made = registry.router(name, threshold=3.0)(estimator)
+        assert made is not None, name
+        assert (getattr(made, "threshold", None) == 3.0) == (name in registry.THRESHOLD_ROUTERS), name
+    assert set(registry.ROUTERS) >= registry.THRESHOLD_ROUTERS
     for name in registry.ADMISSIONS:
         assert registry.admission(name) is not None
 
@@ -798,6 +803,29 @@ def router_file(tmp_path: Path) -> Iterator[Path]:
         for name in set(sys.modules) - modules:
             del sys.modules[name]
         sys.path[:] = path
+
+
+def test_a_config_names_a_router_file_and_is_refused_where_it_names_none(router_file: Path) -> None:
+    """`[policy] router` takes FILE.py:FACTORY as `--router` does, checked as the file is read: a factory that
+    cannot be found is refused naming the section, key and value."""
+    (router_file / "mine.py").write_text(
+        "from mooncake.sched.router import LoadBalancingRouter\n\ndef Mine(estimator):\n    return LoadBalancingRouter(estimator)\n"
+    )
+    named = f"{router_file / 'mine.py'}:Mine"
+    config = router_file / "cluster.toml"
+    config.write_text(f"[policy]\nrouter = {named!r}\n")
+    assert load_config(config).policy.router == named
+    built = build_conductor(load_config(config), prefill_instances=["prefill-0"], decode_instances=["decode-0"])
+    assert type(built.router).__name__ == "LoadBalancingRouter"
+    assert registry.router_problem(named) is None
+    for wrong, why in [
+        (f"{router_file / 'mine.py'}:Theirs", "has no callable 'Theirs'"),
+        ("fastest", "must be one of"),
+    ]:
+        config.write_text(f"[policy]\nrouter = {wrong!r}\n")
+        with pytest.raises(ConfigError, match=re.escape(f"[policy] router = {wrong!r}: ") + ".*" + why):
+            load_config(config)
+        assert registry.router_problem(wrong) is not None
 
 
 def test_a_router_file_without_the_factory_or_with_bad_syntax_is_a_config_error(router_file: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,28 @@ def test_a_bad_config_is_one_line_naming_the_key_and_value(tmp_path: Any, text: 
     with pytest.raises(ConfigError, match=message) as caught:
         parse_router_config(data, "router.toml")
     assert "\n" not in str(caught.value)
+
+
+def test_the_policy_may_name_a_router_file(tmp_path: Any) -> None:
+    """`[router] policy` takes FILE.py:FACTORY as the cluster's `[policy] router` and `--router` do (one check,
+    `serving.registry.router_problem`); a file without the factory is refused naming key and value."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "mine.py").write_text("from mooncake.sched.router import LoadBalancingRouter as Mine\n")
+    instances = [{"url": "http://x:1", "kv_events": "tcp://127.0.0.1:1"}]
+    modules, path = set(sys.modules), list(sys.path)
+    try:
+        for name in ("Mine", "Theirs"):
+            policy = f"{tmp_path / 'mine.py'}:{name}"
+            data = {"router": {"tokenizer": str(tmp_path), "policy": policy}, "instances": instances}
+            if name == "Mine":
+                assert parse_router_config(data, "router.toml").router.policy == policy
+            else:
+                with pytest.raises(ConfigError, match=re.escape(f"policy = {policy!r}: ") + ".*no callable 'Theirs'"):
+                    parse_router_config(data, "router.toml")
+    finally:
+        for added in set(sys.modules) - modules:
+            del sys.modules[added]
+        sys.path[:] = path
 
 
 def test_the_tokenizer_must_be_a_directory_holding_one(tmp_path: Any) -> None:
