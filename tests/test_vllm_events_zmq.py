@@ -254,9 +254,9 @@ def test_the_subscriber_reads_vllms_frames_and_a_topic_first_replay() -> None:
 
 def test_a_replay_longer_than_its_timeout_is_read_whole_while_it_keeps_coming() -> None:
     """A replay answer streams (a long-lived server's buffer can be thousands of batches): batches 0, 1, 2 and
-    the end marker each come 0.8 s apart, 3.2 s in all, past the 2 s timeout, which bounds a silence, not the
-    answer; all reach the index and nothing is lost (cut off at 2 s, batch 2 was lost and the source's
-    holdings forgotten)."""
+    the end marker each come 1 s apart, 4 s in all, past the 2.8 s timeout, which bounds a silence, not the
+    answer; all reach the index and nothing is lost (cut off at 2.8 s, batch 2 was lost and the source's
+    holdings forgotten). Each silence is 1.8 s short of the timeout, so that a slow machine's stall is no cut."""
     encoder = VllmEventEncoder(HASHER)
     prompt = example.synthetic_prompts(1, seed=2)[0]
     keys = encoder.register(prompt)
@@ -270,12 +270,12 @@ def test_a_replay_longer_than_its_timeout_is_read_whole_while_it_keeps_coming() 
         if router.poll(10_000):
             identity, _, _start = router.recv_multipart()
             for seq in (0, 1, 2):
-                time.sleep(0.8)
+                time.sleep(1.0)
                 router.send_multipart([identity, b"", seq.to_bytes(8, "big"), batches[seq]])
-            time.sleep(0.8)
+            time.sleep(1.0)
             router.send_multipart([identity, b"", example.END_SEQ, b""])
 
-    with driven_by_hand(index, serve_slowly, replay_timeout_s=2.0) as (subscriber, xpub):
+    with driven_by_hand(index, serve_slowly, replay_timeout_s=2.8) as (subscriber, xpub):
         xpub.send_multipart([b"", (3).to_bytes(8, "big"), batches[3]])
         poll_until(subscriber, lambda: subscriber.decoder.expected_seq == 4, "the batches")
         assert (subscriber.stats.num_replayed, subscriber.stats.num_lost) == (3, 0)
