@@ -622,11 +622,13 @@ class KvCacheCentricRouter:
                     moved * estimator.kv_bytes_per_token, in_flight_from_source=query.best_transfers_in_flight
                 )
             waiting = max(float(busy[slot]) - now, 0.0)  # view.queue_s(now), from the board
-            end = max(moving, waiting) + prefill
-            if pipelined:  # RouteDecision.prefill_end_s, from the board
+            # RouteDecision.prefill_end_s, from the board: elsewhere than on a group the work ahead ends as the
+            # queue does and the prefill holds the instance throughout
+            drain, hold = waiting, prefill
+            if pipelined:
                 drain = max(float(board.drained_s[slot]) - now, 0.0)
                 hold = occupancy_s(estimator.prefill, query.input_tokens, query.prefix_tokens(blocks))
-                end = prefill_end_s(max(moving, waiting), prefill, hold, drain)
+            end = prefill_end_s(max(moving, waiting), prefill, hold, drain)
             key = (end, waiting)
             if key < fastest:
                 fastest, tied = key, [(slot, blocks, moves, moving, prefill)]
