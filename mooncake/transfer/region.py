@@ -17,9 +17,13 @@ still pointed to (a segmentation fault at its next access).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import sys
+import threading
 import weakref
+from collections.abc import Iterator, Sized
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
@@ -40,7 +44,6 @@ __all__ = [
     "shared_array",
 ]
 
-_CREATED_HERE: set[str] = set()
 MAX_SEGMENT_BYTES = 2**63  # a shared segment is a file: its size is an off_t, a signed 64-bit integer
 
 
@@ -135,10 +138,12 @@ def create_shared(nbytes: int, *, prefix: str = "mooncake") -> tuple[shared_memo
     require_int("nbytes", nbytes, minimum=0, below=MAX_SEGMENT_BYTES)
     name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
     try:
-        segment = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
+        # SharedMemory registers a segment with the resource tracker once it is sized and mapped, but one it could
+        # not size or map it unlinks and unregisters, and the tracker then prints a KeyError (CPython 3.11-3.13).
+        with _tracker_skipping("unregister", name):
+            segment = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
     except OSError as error:
         raise TransferError(f"cannot create a shared segment of nbytes={nbytes}: {error}") from error
-    _CREATED_HERE.add(segment.name)
     return segment, shared_array(segment, nbytes)
 
 
@@ -163,9 +168,37 @@ def _let_go(segment: shared_memory.SharedMemory) -> None:
 
 
 def attach_shared(name: str) -> shared_memory.SharedMemory:
-    """Map a segment another process created, without adopting it: Python 3.11's
-    resource tracker would otherwise unlink the peer's segment when we exit."""
-    segment = shared_memory.SharedMemory(name=name, create=False)
-    if segment.name not in _CREATED_HERE:  # our own segments stay tracked until their owner unlinks them
-        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    return segment
+    """Map a segment another process (or this one) created, without registering it with the resource tracker:
+    only its creator does, so that the tracker unlinks it after a crash of the creator, and never under it.
+
+    Not registering at all, rather than registering and then unregistering (the usual workaround before Python
+    3.13's `track=False`, CPython gh-82300): processes that multiprocessing starts share one tracker, which
+    keeps one set of names for them all, so an attacher's unregister dropped the creator's own entry. The
+    segment of a creator killed after a peer mapped it then outlived the whole process tree, and the creator's
+    clean unlink made the tracker print a KeyError.
+    """
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, create=False, track=False)  # type: ignore[call-arg]
+    with _tracker_skipping("register", name):  # 3.11 and 3.12 register every segment they map
+        return shared_memory.SharedMemory(name=name, create=False)
+
+
+@contextlib.contextmanager
+def _tracker_skipping(call: str, name: str) -> Iterator[None]:
+    """For the time of the block, `resource_tracker.<call>` ("register" or "unregister") skips the shared segment
+    `name`; other names (other threads' segments, made meanwhile) pass through. One block at a time."""
+    with _TRACKER_SWAP:
+        original, skipped = getattr(resource_tracker, call), (name, "/" + name)
+
+        def others(name: Sized, rtype: str) -> None:  # the parameters named as the tracker's
+            if rtype != "shared_memory" or name not in skipped:
+                original(name, rtype)
+
+        setattr(resource_tracker, call, others)
+        try:
+            yield
+        finally:
+            setattr(resource_tracker, call, original)
+
+
+_TRACKER_SWAP = threading.Lock()

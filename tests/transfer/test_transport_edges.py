@@ -2,8 +2,11 @@
 
 - Regions: `Region.slice` against Python's own slicing (a range outside is refused by a `TransferError` naming
   the region, the offset and the end, never wrapped around by a negative index); read-only or strided buffers
-  refused at registration; a segment this process created stays tracked when mapped again; segments are
-  unlinked by their owner only (at unregister or close), and an unregistered one is not written over shm.
+  refused at registration; mapping a segment never registers it with the resource tracker, so a sibling
+  process's mapping leaves its creator's registration alone (the segment of a SIGKILLed creator goes with the
+  process tree, a clean unlink prints nothing), and a segment that cannot be made leaves the tracker quiet;
+  segments are unlinked by their owner only (at unregister or close), and an unregistered one is not written
+  over shm.
 - The staging pool: an exact-size free buffer is reused; free memory is dropped largest first, only as much
   as needed, and not at all when the request cannot fit anyway; a checksummed WRITE cut midway gives its
   buffer back; WRITEs up to 64 KiB bypass the pool.
@@ -23,6 +26,7 @@ import gc
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -137,21 +141,89 @@ def _readonly() -> np.ndarray:
     return array
 
 
-def test_a_segment_created_here_stays_tracked_when_mapped_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mapping one of this process's own segments (an engine that is its own shm peer) leaves it registered
-    with the resource tracker (only a peer's segment is untracked, so that our exit does not unlink it)."""
+def test_mapping_a_segment_never_registers_it_with_the_resource_tracker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`attach_shared` maps a segment (a peer's, or one of this process's own) without registering it: only its
+    creator's registration stands, and the tracker is asked to forget nothing. A segment made meanwhile by
+    someone else still registers."""
     segment, array = create_shared(256)
-    untracked: list[str] = []
-    real_unregister = resource_tracker.unregister
-    monkeypatch.setattr(resource_tracker, "unregister", lambda name, rtype: untracked.append(name))
+    calls: list[tuple[str, str]] = []
+    real_register, real_unregister = resource_tracker.register, resource_tracker.unregister
+    monkeypatch.setattr(resource_tracker, "register", lambda name, rtype: calls.append(("register", name)))
+    monkeypatch.setattr(resource_tracker, "unregister", lambda name, rtype: calls.append(("unregister", name)))
     try:
         again = attach_shared(segment.name)
         again.close()
-        assert untracked == []
+        assert calls == []
+        assert resource_tracker.register is not real_register  # the patch above, put back as it was found
+        resource_tracker.register("/elsewhere", "shared_memory")
+        assert calls == [("register", "/elsewhere")]
     finally:
+        monkeypatch.setattr(resource_tracker, "register", real_register)
         monkeypatch.setattr(resource_tracker, "unregister", real_unregister)
         del array
         segment.unlink()
+
+
+def test_a_segment_that_cannot_be_made_leaves_the_resource_tracker_quiet() -> None:
+    """A segment too large to map is a TransferError, and the resource tracker prints nothing: SharedMemory
+    unregisters such a segment, which it never registered, and the tracker used to print its KeyError."""
+    code = (
+        "from mooncake.errors import TransferError\n"
+        "from mooncake.transfer.region import create_shared\n"
+        "segment, array = create_shared(64)\n"  # the tracker runs, as in a process that has made segments
+        "try:\n    create_shared(2**62)\nexcept TransferError as error:\n    print(error)\n"
+        "del array\nsegment.unlink()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "cannot create a shared segment of nbytes=" in done.stdout, done.stderr
+    assert done.stderr == ""
+
+
+_SIBLINGS = """
+import multiprocessing, os, signal, sys
+from mooncake.transfer.region import attach_shared, create_shared
+
+def create(names, told):
+    segment, array = create_shared(4096)
+    names.put(segment.name)
+    told.get()  # killed before this comes, or told to end cleanly
+    del array
+    segment.unlink()
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    names, told = context.Queue(), context.Queue()
+    child = context.Process(target=create, args=(names, told))
+    child.start()
+    name = names.get(timeout=60)
+    attach_shared(name).close()  # as the shm transport maps a peer's region
+    print(name, flush=True)
+    if sys.argv[1] == "killed":
+        os.kill(child.pid, signal.SIGKILL)
+    else:
+        told.put(None)
+    child.join(timeout=30)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="finds segments in /dev/shm")
+@pytest.mark.parametrize("creator", ["killed", "clean"])
+def test_a_segment_mapped_by_a_sibling_goes_once_with_its_creator(tmp_path: Any, creator: str) -> None:
+    """Processes multiprocessing starts share one resource tracker. A segment one of them created and another
+    mapped is gone once the tree has exited, though its creator was SIGKILLed, and a creator's clean unlink makes
+    the tracker print nothing. The mapping used to unregister the creator's own entry: the killed creator's
+    segment outlived everyone, and the clean unlink printed the tracker's KeyError."""
+    script = tmp_path / "siblings.py"
+    script.write_text(_SIBLINGS)
+    done = subprocess.run([sys.executable, str(script), creator], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    path = os.path.join("/dev/shm", done.stdout.split()[-1])
+    try:
+        wait_for(lambda: not os.path.exists(path), timeout=10.0, what="the segment to be unlinked")
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    assert "Traceback" not in done.stderr, done.stderr
 
 
 # --------------------------------------------------------------------------- staging
