@@ -75,8 +75,20 @@ def block_count(tokens: int, block_size_tokens: int) -> int:
     """How many blocks, each one key, `tokens` tokens make in `block_size_tokens`-token blocks: the partial last
     block counts, as the Mooncake trace's hash_ids count it (vLLM hashes full blocks only; a request here is keyed
     whole, so that its last block can be cached and matched too). The one rule: a `Request`'s keys, a trace line's
-    hash_ids, a `BlockHasher`'s keys and a decode engine's joining request are all counted by it."""
-    return ceil_div(tokens, block_size_tokens)
+    hash_ids, a `BlockHasher`'s keys and a decode engine's joining request are all counted by it.
+
+    Raises:
+        InvalidRequestError: `tokens` is not an integer in [0, MAX_TOKENS], or `block_size_tokens` not a positive
+            integer; naming the value.
+    """
+    if type(tokens) is int and type(block_size_tokens) is int and 0 <= tokens <= MAX_TOKENS and block_size_tokens > 0:
+        return ceil_div(tokens, block_size_tokens)  # the common case, one test
+    for name, value, low in (("tokens", tokens, 0), ("block_size_tokens", block_size_tokens, 1)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+            raise InvalidRequestError(f"{name} must be an integer >= {low}, got {shown(value)}")
+    if tokens > MAX_TOKENS:
+        raise InvalidRequestError(f"tokens must be at most 2**40, got {shown(tokens)}")
+    return ceil_div(int(tokens), int(block_size_tokens))
 
 
 def prefix_reusable(prompt_logprobs: int | None) -> bool:

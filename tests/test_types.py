@@ -15,6 +15,7 @@ from mooncake._checks import positive, shown
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError, InvalidRequestError
 from mooncake.types import (
+    MAX_TOKENS,
     BlockKey,
     Request,
     RequestId,
@@ -408,6 +409,23 @@ def test_every_key_count_is_block_count(tokens: int, block: int) -> None:
             check_block_count(count + 1, tokens, block)
         keys = tuple(BlockKey(k) for k in range(count))
         assert make_request(input_length=tokens, block_keys=keys, block_size_tokens=block).block_keys == keys
+
+
+@given(
+    bad=st.one_of(st.integers(-10, -1), st.floats(allow_nan=True), st.booleans(), st.text(max_size=3), st.none()),
+    which=st.sampled_from(["tokens", "block_size_tokens"]),
+)
+def test_block_count_refuses_what_is_no_count_naming_it(bad: Any, which: str) -> None:
+    """A token count below 0 or a block size below 1, or either not an integer, is an InvalidRequestError naming
+    the argument and the value (it was a bare ZeroDivisionError, or a negative, fractional or NaN count)."""
+    args = {"tokens": 5, "block_size_tokens": 16, which: bad}
+    with pytest.raises(InvalidRequestError, match=f"^{which} must be an integer >= "):
+        block_count(args["tokens"], args["block_size_tokens"])
+    with pytest.raises(InvalidRequestError, match=r"^block_size_tokens must be an integer >= 1, got 0"):
+        block_count(5, 0)
+    with pytest.raises(InvalidRequestError, match=r"^tokens must be at most 2\*\*40"):
+        block_count(MAX_TOKENS + 1, 16)
+    assert block_count(np.int64(33), np.int32(16)) == block_count(MAX_TOKENS, MAX_TOKENS) + 2 == 3
 
 
 @given(st.lists(st.integers(0, 6), max_size=10))
