@@ -34,7 +34,15 @@ from mooncake.sched.cost import (
 )
 from mooncake.sched.decode import DecodeChoice, choose_decode, lasting_decode_refusal
 from mooncake.sched.join import DecodeLimits, DecodeLoad, JoinVerdict, check_join
-from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
+from mooncake.sched.outcome import (
+    ABORT_REASONS,
+    DECODE_REFUSALS,
+    Outcome,
+    Reason,
+    RequestEnd,
+    http_status,
+    reason_named,
+)
 from mooncake.sched.predictor import (
     DEFAULT_DECODE_S,
     ExpectedOutputPredictor,
@@ -81,6 +89,7 @@ from mooncake.sched.view import (
 from mooncake.sched.waiting import AdmissionQueue, Scheduler
 
 __all__ = [
+    "ABORT_REASONS",
     "ActiveDecode",
     "AdaptiveThreshold",
     "AdmissionDecision",
@@ -94,6 +103,7 @@ __all__ = [
     "DEFAULT_DECODE_S",
     "DEFAULT_MFU",
     "DEFAULT_THRESHOLD",
+    "DECODE_REFUSALS",
     "DecodeChoice",
     "DecodeCostModel",
     "DecodeFinished",

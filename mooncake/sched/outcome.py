@@ -23,7 +23,7 @@ from mooncake._checks import shown
 from mooncake.errors import InvalidRequestError
 from mooncake.types import RequestId, check_request_id
 
-__all__ = ["Outcome", "Reason", "RequestEnd", "http_status", "reason_named"]
+__all__ = ["ABORT_REASONS", "DECODE_REFUSALS", "Outcome", "Reason", "RequestEnd", "http_status", "reason_named"]
 
 
 class Outcome(enum.Enum):
@@ -53,6 +53,16 @@ class Reason(enum.Enum):
     CLIENT_GONE = "client_gone"
     TIMEOUT = "timeout"
     FAILED = "failed"
+
+
+DECODE_REFUSALS = frozenset(
+    {Reason.CONTEXT_TOO_LONG, Reason.BATCH_FULL, Reason.KV_BUDGET, Reason.TBT_SLO, Reason.DECODE_REJECTED}
+)
+"""Why a decode instance refuses a prefilled request (`sched.view.RequestRejected`): the decode rule's reasons, or
+none said."""
+
+ABORT_REASONS = frozenset({Reason.INSTANCE_DOWN, Reason.CLIENT_GONE, Reason.TIMEOUT, Reason.FAILED})
+"""Why a request is aborted (`sched.view.RequestAborted`): a failure or its client, never a scheduling decision."""
 
 
 @attrs.frozen

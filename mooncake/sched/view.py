@@ -37,7 +37,7 @@ import numpy as np
 from mooncake._checks import int_at_least, require_int, require_number, shown
 from mooncake.errors import InvalidRequestError
 from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad, load_problem, takes_slot
-from mooncake.sched.outcome import Reason
+from mooncake.sched.outcome import ABORT_REASONS, DECODE_REFUSALS, Reason
 from mooncake.types import InstanceId, RequestId, check_request_id
 
 __all__ = [
@@ -683,10 +683,17 @@ def _request(_instance_obj: object, attribute: Any, value: Any) -> None:
     check_request_id(attribute.name, value)
 
 
-def _reason(_instance: object, attribute: Any, value: Any) -> None:
-    """A rejection's or abort's reason: a `Reason` (a string would reach the request's end as it is)."""
+def _reason(instance: object, attribute: Any, value: Any) -> None:
+    """A rejection's or abort's reason: a `Reason` (a string would reach the request's end as it is) of the
+    event's kind (`DECODE_REFUSALS` for a decode instance's refusal, `ABORT_REASONS` for an abort)."""
     if not isinstance(value, Reason):
         raise InvalidRequestError(f"{attribute.name} must be a mooncake.sched.Reason, got {shown(value)}")
+    refusal = isinstance(instance, RequestRejected)
+    allowed = DECODE_REFUSALS if refusal else ABORT_REASONS
+    if value not in allowed:
+        names = ", ".join(sorted(reason.name for reason in allowed))
+        what = "a decode instance's refusal" if refusal else "an abort"
+        raise InvalidRequestError(f"{attribute.name} {value} is no reason for {what}: one of {names}")
 
 
 @attrs.frozen(kw_only=True)

@@ -16,8 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from mooncake.errors import InvalidRequestError
 from mooncake.sched.join import UNLIMITED, DecodeLimits, DecodeLoad
-from mooncake.sched.outcome import Reason
+from mooncake.sched.outcome import ABORT_REASONS, DECODE_REFUSALS, Reason
 from mooncake.sched.view import (
     ActiveDecode,
     DecodeBoard,
@@ -236,3 +237,26 @@ def test_events_default_to_the_documented_reasons() -> None:
         is Reason.DECODE_REJECTED
     )
     assert RequestAborted(request_id=RequestId("r"), now=0.0).reason is Reason.FAILED
+
+
+@given(reason=st.sampled_from(list(Reason)))
+def test_a_refusal_or_an_abort_takes_only_a_reason_of_its_kind(reason: Reason) -> None:
+    """A decode instance refuses for one of `DECODE_REFUSALS` (the decode rule's, or none said) and a request is
+    aborted for one of `ABORT_REASONS` (a failure or its client): anything else (an abort "for the TTFT
+    objective") is an InvalidRequestError naming the reason, never a request ended as what it was not. The two
+    sets do not meet, and neither holds the Conductor's own rejections before prefill."""
+    assert not DECODE_REFUSALS & ABORT_REASONS
+    assert not {Reason.NO_PREFILL_INSTANCE, Reason.NO_DECODE_INSTANCE, Reason.TTFT_SLO} & (
+        DECODE_REFUSALS | ABORT_REASONS
+    )
+    ids = {"request_id": RequestId("r"), "now": 0.0, "reason": reason}
+    if reason in DECODE_REFUSALS:
+        assert RequestRejected(instance_id=InstanceId("d"), **ids).reason is reason
+    else:
+        with pytest.raises(InvalidRequestError, match=f"reason {reason} is no reason for a decode instance's refusal"):
+            RequestRejected(instance_id=InstanceId("d"), **ids)
+    if reason in ABORT_REASONS:
+        assert RequestAborted(**ids).reason is reason
+    else:
+        with pytest.raises(InvalidRequestError, match=f"reason {reason} is no reason for an abort: one of CLIENT_GONE"):
+            RequestAborted(**ids)

@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("torch")
@@ -45,7 +45,7 @@ from mooncake.cache.events import BlockStored
 from mooncake.errors import PeerUnavailable
 from mooncake.sched.conductor import ScheduleDecision
 from mooncake.sched.join import DecodeLimits
-from mooncake.sched.outcome import Outcome, Reason
+from mooncake.sched.outcome import ABORT_REASONS, DECODE_REFUSALS, Outcome, Reason
 from mooncake.sched.router import TransferPlan
 from mooncake.sched.view import InstanceUp
 from mooncake.types import BlockKey, InstanceId, Tier
@@ -208,6 +208,9 @@ def counted(d: Dispatcher, engine: str) -> dict[str, float]:
 
 
 REASONS = (None, Reason.CLIENT_GONE, Reason.TIMEOUT, Reason.FAILED, Reason.KV_BUDGET)
+# What the gateway ends a request with: an abort for a failure or its client, a rejection after prefill for the
+# decode instance's refusal (a completion's reason, which none passes, is read only for its cancel).
+KINDS = {Outcome.ABORTED: ABORT_REASONS, Outcome.REJECTED_AFTER_PREFILL: DECODE_REFUSALS}
 
 
 def expected_finish(outcome: Outcome, reason: Reason | None, finish_reason: str | None) -> str | None:
@@ -243,6 +246,8 @@ def test_an_end_counts_once_and_cancels_as_the_rules_say(
     completion's is its reader's judgement, counted when given, once); its decode is cancelled iff it was ended with `cancel` or its client left or timed out, and its decode engine is
     up; its prefill is cancelled (or kept for when its engine answers again) iff its client left or timed out
     before it joined; the Conductor hears of the end with its reason, and a second end does nothing."""
+
+    assume(reason is None or reason in KINDS.get(outcome, REASONS))
 
     async def run() -> None:
         async with dispatching() as d:
