@@ -31,8 +31,10 @@ chunk for a token that adds no text yet, so a client sees fewer intervals than
 tokens; the usage in every chunk tells how many tokens each event carried
 (`ClientRecord.event_tokens`, left empty when a server sends no such usage).
 A rejection is an error whose body says so (`outcome`: before or after prefill,
-as the gateway answers with `sched.outcome.http_status`), or any 429; its
-reason is the error's `code`; other errors count as failed and the first of each
+as the gateway and the vLLM router answer with `sched.outcome.http_status`); its
+reason is the error's `code`; other errors (a 429 or 503 that names no outcome, such as
+the gateway's refusal of a connection past its limits, which is no scheduling decision)
+count as failed and the first of each
 kind is printed to stderr (a stream with a line that is no completion chunk
 fails as a "malformed stream", one that ends without `[DONE]` or its final
 usage as a "truncated stream"; `--timeout` must be > 0; a usage without `prompt_tokens_details`, vLLM's
@@ -100,9 +102,10 @@ _REJECTIONS = {Outcome.REJECTED_BEFORE_PREFILL.value, Outcome.REJECTED_AFTER_PRE
 
 
 async def _rejection(answer: aiohttp.ClientResponse) -> tuple[Outcome, Reason] | None:
-    """How an error answer rejected the request, or None when it is a failure: the gateway's error body
-    names the outcome (and the reason as its code); a 429 from a server that does not is a rejection
-    before prefill."""
+    """How an error answer rejected the request, or None when it is a failure: a rejection's error body
+    names the outcome (and the reason as its code); an answer that names none (a connection refused at the
+    gateway's limits, a 429 or 503) was no scheduling decision, as vLLM's benchmark counts any non-200 as
+    failed."""
     try:
         error = (await answer.json(content_type=None, loads=_json.loads))["error"]
     except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
@@ -112,8 +115,6 @@ async def _rejection(answer: aiohttp.ClientResponse) -> tuple[Outcome, Reason] |
     outcome = error.get("outcome")
     if outcome in _REJECTIONS:
         return Outcome(outcome), reason_named(error.get("code"))
-    if answer.status == 429:
-        return Outcome.REJECTED_BEFORE_PREFILL, reason_named(error.get("code"))
     return None
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import load
 from scaling import Scaling
+from serving.protocol import ConnectionGuard, EdgeLimits
 
 from mooncake.errors import ConfigError
 from mooncake.sched.outcome import Outcome, Reason
@@ -203,6 +204,25 @@ def test_a_refused_or_failed_request_records_when_it_was_answered() -> None:
         (Outcome.COMPLETED, None),
     ]
     assert all(r.finish_s is not None and r.finish_s >= r.arrival_s for r in records)
+
+
+def test_a_429_or_503_naming_no_outcome_is_a_failure_not_a_rejection() -> None:
+    """Only an answer whose error names its outcome is a rejection. The gateway's refusal of a connection past its
+    limits (`ConnectionGuard`: a 429 per client, a 503 in all) names none, being no scheduling decision: it
+    counts as failed, as vLLM's benchmark counts any non-200. A bare 429 was counted as rejected before prefill
+    (reason decode_rejected), charging the refusal to the admission policy."""
+    guard = ConnectionGuard(EdgeLimits(max_connections=2, max_connections_per_client=1))
+    assert guard.admit("10.0.0.1") is None
+    per_client = guard.admit("10.0.0.1")
+    assert guard.admit("10.0.0.2") is None
+    in_all = guard.admit("10.0.0.3")
+    assert per_client is not None and in_all is not None and (per_client.status, in_all.status) == (429, 503)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        refusal = [per_client, in_all][(await request.json())["seed"]]
+        return web.json_response(refusal.body(), status=refusal.status)
+
+    assert [(r.outcome, r.reason) for r in replay(handler, 2)] == [(None, Reason.FAILED)] * 2
 
 
 def test_a_choice_with_no_text_is_the_first_token_as_vllms_benchmark_counts_it() -> None:
