@@ -550,21 +550,22 @@ def refuse_unpredicted(
 def refuse_unthresholded(
     parser: argparse.ArgumentParser, args: argparse.Namespace, *, given: Mapping[str, str] | None = None
 ) -> None:
-    """--threshold given to a run that never reads it: none of `registry.THRESHOLD_ROUTERS` (the routers
-    `registry.router` gives it to) among its routers (`--router`, or the scheduling experiment's `--routers`), or
-    local caches (nothing is transferred).
+    """--threshold given to a run that never reads it (`registry.reads_threshold` for none of its routers:
+    `--router`, or the scheduling experiment's `--routers`): none of `registry.THRESHOLD_ROUTERS` among them (the
+    routers `registry.router` gives it to), or local caches (nothing is transferred).
 
     Raises:
         ConfigError: naming --threshold and what keeps it unread.
     """
     routers = getattr(args, "routers", None)
     option, named = ("--router", [args.router]) if routers is None else ("--routers", list(routers))
+    if any(registry.reads_threshold(name, global_pool=args.global_pool) for name in named):
+        return
     if registry.THRESHOLD_ROUTERS.isdisjoint(named):
         why = f"to {option} {','.join(named)}: only {', '.join(sorted(registry.THRESHOLD_ROUTERS))} reads it"
-        refuse_unused(parser, args, ("threshold",), why, given=given)
-    elif not args.global_pool:
+    else:
         why = "with --local-cache: without a global pool nothing is transferred"
-        refuse_unused(parser, args, ("threshold",), why, given=given)
+    refuse_unused(parser, args, ("threshold",), why, given=given)
 
 
 def arrival_span_s(requests: Sequence[Request]) -> float:

@@ -211,6 +211,23 @@ def test_throughput_runs_its_long_context_clusters_with_the_options_policies(tmp
     assert f"router {name}, admission baseline" in text and "(local caches)" in text, text
 
 
+def test_throughput_states_the_threshold_exactly_where_a_replay_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """throughput's header and JSON list the threshold by `registry.reads_threshold`, the rule --threshold's
+    refusal follows: a threshold router with a global pool. It listed one for kvcache_centric by name, with local
+    caches too, where nothing reads it."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from paper.throughput import _policies
+    from serving import registry
+
+    for router in [*registry.ROUTERS, "mine.py:Mine"]:
+        for global_pool in (True, False):
+            args = SimpleNamespace(
+                router=router, admission="baseline", threshold=3.0, global_pool=global_pool, predictor="uniform"
+            )
+            stated = "threshold" in _policies(args)  # type: ignore[arg-type]
+            assert stated == (router in registry.THRESHOLD_ROUTERS and global_pool), (router, global_pool)
+
+
 def test_scheduling_json_ranks_in_tie_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The JSON ranking was a plain order: its first entry read as the winner though several routers tied."""
     monkeypatch.syspath_prepend(str(EXAMPLES))

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import attrs
 import numpy as np
 import simulation
+from serving import registry
 
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
@@ -96,7 +97,7 @@ def _long_context_clusters(spec: ClusterSpec, lengths: Sequence[int]) -> dict[st
 def _policies(args: argparse.Namespace) -> dict[str, object]:
     """The Mooncake policies both parts run (`policy_conductor`'s), as the header and the JSON state them."""
     policies: dict[str, object] = {"router": args.router, "admission": args.admission}
-    if args.router == "kvcache_centric":
+    if registry.reads_threshold(args.router, global_pool=args.global_pool):
         policies["threshold"] = args.threshold
     if args.admission == "predictive_early_rejection":
         policies["predictor"] = args.predictor

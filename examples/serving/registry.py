@@ -40,6 +40,7 @@ __all__ = [
     "THRESHOLD_ROUTERS",
     "admission",
     "predictor",
+    "reads_threshold",
     "router",
     "router_problem",
 ]
@@ -87,6 +88,12 @@ def predictor(name: str, requests: Sequence[Request], slo: Slo) -> LoadPredictor
     if name not in PREDICTORS:
         raise ConfigError(f"predictor must be one of {', '.join(PREDICTORS)}, got {name!r}")
     return PREDICTORS[name](requests, slo)
+
+
+def reads_threshold(router: str, *, global_pool: bool) -> bool:
+    """Whether a replay routed by `router` reads the threshold: a router of `THRESHOLD_ROUTERS`, with a global pool
+    (with local caches nothing is transferred, so no holder's prefix is weighed against it)."""
+    return global_pool and router in THRESHOLD_ROUTERS
 
 
 _ROUTER_NAMES = f"must be one of {', '.join(ROUTERS)} or FILE.py:FACTORY"
