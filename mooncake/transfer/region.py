@@ -17,14 +17,13 @@ still pointed to (a segmentation fault at its next access).
 
 from __future__ import annotations
 
-import contextlib
+import _posixshmem  # type: ignore[import-not-found]  # what SharedMemory maps segments with (POSIX)
+import mmap
 import os
 import secrets
 import sys
-import threading
 import weakref
-from collections.abc import Iterator, Sized
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import attrs
@@ -138,10 +137,7 @@ def create_shared(nbytes: int, *, prefix: str = "mooncake") -> tuple[shared_memo
     require_int("nbytes", nbytes, minimum=0, below=MAX_SEGMENT_BYTES)
     name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
     try:
-        # SharedMemory registers a segment with the resource tracker once it is sized and mapped, but one it could
-        # not size or map it unlinks and unregisters, and the tracker then prints a KeyError (CPython 3.11-3.13).
-        with _tracker_skipping("unregister", name):
-            segment = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
+        segment = _Created(name, max(1, nbytes))
     except OSError as error:
         raise TransferError(f"cannot create a shared segment of nbytes={nbytes}: {error}") from error
     return segment, shared_array(segment, nbytes)
@@ -175,30 +171,50 @@ def attach_shared(name: str) -> shared_memory.SharedMemory:
     3.13's `track=False`, CPython gh-82300): processes that multiprocessing starts share one tracker, which
     keeps one set of names for them all, so an attacher's unregister dropped the creator's own entry. The
     segment of a creator killed after a peer mapped it then outlived the whole process tree, and the creator's
-    clean unlink made the tracker print a KeyError.
+    clean unlink made the tracker print a KeyError. No module global is swapped for it (another library's swap,
+    or a fork, could catch it half done).
     """
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=name, create=False, track=False)  # type: ignore[call-arg]
-    with _tracker_skipping("register", name):  # 3.11 and 3.12 register every segment they map
-        return shared_memory.SharedMemory(name=name, create=False)
+    return _Attached(name)
 
 
-@contextlib.contextmanager
-def _tracker_skipping(call: str, name: str) -> Iterator[None]:
-    """For the time of the block, `resource_tracker.<call>` ("register" or "unregister") skips the shared segment
-    `name`; other names (other threads' segments, made meanwhile) pass through. One block at a time."""
-    with _TRACKER_SWAP:
-        original, skipped = getattr(resource_tracker, call), (name, "/" + name)
+class _Created(shared_memory.SharedMemory):
+    """A new segment, as `SharedMemory(name, create=True, size=...)` makes it, except that one it could not size or
+    map is unlinked without asking the resource tracker to forget it: it was never registered (SharedMemory
+    registers a segment once mapped), and CPython 3.11 to 3.13 ask, which makes the tracker print a KeyError."""
 
-        def others(name: Sized, rtype: str) -> None:  # the parameters named as the tracker's
-            if rtype != "shared_memory" or name not in skipped:
-                original(name, rtype)
+    _made = False
 
-        setattr(resource_tracker, call, others)
+    def __init__(self, name: str, size: int) -> None:
+        super().__init__(name=name, create=True, size=size)
+        self._made = True
+
+    def __reduce__(self) -> tuple[Any, ...]:  # another process maps it, untracked there
+        return attach_shared, (self.name,)
+
+    def unlink(self) -> None:
+        if self._made:
+            super().unlink()
+        else:  # SharedMemory's own cleanup, from inside its constructor
+            _posixshmem.shm_unlink("/" + self.name)
+
+
+class _Attached(shared_memory.SharedMemory):
+    """An existing segment mapped as `SharedMemory(name)` maps it on POSIX, less its `resource_tracker.register`
+    (3.13's `track=False`; used on 3.11 and 3.12 only, whose SharedMemory is fixed: these are its attributes)."""
+
+    def __init__(self, name: str) -> None:  # not SharedMemory's: it would register the segment
+        self._name, self._flags, self._mode = "/" + name, os.O_RDWR, 0o600
+        self._fd = _posixshmem.shm_open(self._name, self._flags, mode=self._mode)
         try:
-            yield
-        finally:
-            setattr(resource_tracker, call, original)
+            self._size = os.fstat(self._fd).st_size
+            self._mmap = mmap.mmap(self._fd, self._size)
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
+        self._buf = memoryview(self._mmap)
 
-
-_TRACKER_SWAP = threading.Lock()
+    def __reduce__(self) -> tuple[Any, ...]:
+        return attach_shared, (self.name,)
