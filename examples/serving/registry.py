@@ -20,7 +20,7 @@ from types import ModuleType
 
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, BaselineAdmission, EarlyRejection, predictive_early_rejection
-from mooncake.sched.build import RouterFactory
+from mooncake.sched.build import RouterFactory, check_router_factory
 from mooncake.sched.predictor import ExpectedOutputPredictor, LoadPredictor, UniformDecodePredictor, uniform_decode_s
 from mooncake.sched.router import (
     DEFAULT_THRESHOLD,
@@ -122,6 +122,7 @@ def router(name: str, *, threshold: float = DEFAULT_THRESHOLD) -> RouterFactory:
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ConfigError(f"{where} has no callable {attribute!r}")
+    check_router_factory(factory)  # as build_conductor will: refused as the name is read, not at the build
     return factory  # type: ignore[no-any-return]
 
 
@@ -139,7 +140,8 @@ def router_problem(name: str) -> str | None:
 def _load_file(path: Path) -> ModuleType:
     """The module of a router file, loaded as running it would: its folder first on `sys.path` (its sibling
     modules import), the module in `sys.modules` (dataclasses and pickling look it up there) under a name of its
-    own (a file named like a library module shadows nothing).
+    own (a file named like a library module shadows nothing). Once per process: a config's check of the name, the
+    build of the router and a copy of the config find the module loaded.
 
     Raises:
         ConfigError: the file is missing, or is not valid Python (naming the line).
@@ -147,6 +149,8 @@ def _load_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise ConfigError(f"router file {path} not found")
     name = f"mooncake_router_{path.stem}_{abs(hash(str(path.resolve()))):x}"
+    if (loaded := sys.modules.get(name)) is not None:
+        return loaded
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"router file {path} is not a Python module")

@@ -45,7 +45,7 @@ from mooncake.sched.router import KvCacheCentricRouter, Router, TtftEstimator
 from mooncake.sched.step import AnalyticStepModel, DecodeCostModel
 from mooncake.types import InstanceId, Slo
 
-__all__ = ["RouterFactory", "build_conductor", "default_predictor", "ttft_estimator"]
+__all__ = ["RouterFactory", "build_conductor", "check_router_factory", "default_predictor", "ttft_estimator"]
 
 RouterFactory = Callable[[TtftEstimator], Router]  # a router class, or any callable making one from the estimator
 
@@ -79,9 +79,14 @@ def default_predictor(slo: object, decode_s: float = DEFAULT_DECODE_S) -> Unifor
     return UniformDecodePredictor(decode_s=decode_s, step_s=pace)
 
 
-def _check_factory(router: object) -> None:
+def check_router_factory(router: object) -> None:
     """A router factory is called with the TTFT estimator alone: say so before calling it, instead of the
-    TypeError a class with another constructor (or a router instance given for its class) would raise."""
+    TypeError a class with another constructor (or a router instance given for its class) would raise. The one
+    check: `build_conductor` makes it, and so may a caller that reads a factory by name before building.
+
+    Raises:
+        ConfigError: `router` is not callable, cannot be called with one argument, or is a class with no route().
+    """
     if not callable(router):
         raise ConfigError(f"router must be a router class or factory taking the TTFT estimator, got {shown(router)}")
     try:
@@ -166,7 +171,7 @@ def build_conductor(
             raise ConfigError(f"{name} must be a collection of instance ids, got the string {shown(instances)}")
         if not isinstance(instances, Iterable):
             raise ConfigError(f"{name} must be a collection of instance ids, got {shown(instances)}")
-    _check_factory(router)
+    check_router_factory(router)
     decode_gpus = decode_hardware if decode_hardware is not None else hardware
     decode_cost = DecodeCostModel(model=model, hardware=decode_gpus)
     if decode_limits is None:

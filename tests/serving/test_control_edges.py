@@ -19,6 +19,7 @@ the reporter, where the tests of each module leave a rule unchecked.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import math
 import re
@@ -806,20 +807,30 @@ def router_file(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_config_names_a_router_file_and_is_refused_where_it_names_none(router_file: Path) -> None:
-    """`[policy] router` takes FILE.py:FACTORY as `--router` does, checked as the file is read: a factory that
-    cannot be found is refused naming the section, key and value."""
+    """`[policy] router` takes FILE.py:FACTORY as `--router` does, checked as the file is read (the file run once,
+    however often the config is checked and the router built): a factory that cannot be found, or cannot be
+    called with the estimator alone (`check_router_factory`, as `build_conductor` checks it), is refused naming
+    the section, key and value, before any worker starts."""
     (router_file / "mine.py").write_text(
-        "from mooncake.sched.router import LoadBalancingRouter\n\ndef Mine(estimator):\n    return LoadBalancingRouter(estimator)\n"
+        "import builtins\nfrom mooncake.sched.router import LoadBalancingRouter, RouteDecision\n"
+        "builtins.mooncake_test_runs = getattr(builtins, 'mooncake_test_runs', 0) + 1\n"
+        "def Mine(estimator):\n    return LoadBalancingRouter(estimator)\n"
     )
     named = f"{router_file / 'mine.py'}:Mine"
     config = router_file / "cluster.toml"
     config.write_text(f"[policy]\nrouter = {named!r}\n")
-    assert load_config(config).policy.router == named
-    built = build_conductor(load_config(config), prefill_instances=["prefill-0"], decode_instances=["decode-0"])
-    assert type(built.router).__name__ == "LoadBalancingRouter"
-    assert registry.router_problem(named) is None
+    try:
+        assert load_config(config).policy.router == named
+        built = build_conductor(load_config(config), prefill_instances=["prefill-0"], decode_instances=["decode-0"])
+        assert type(built.router).__name__ == "LoadBalancingRouter"
+        assert registry.router_problem(named) is None
+        assert builtins.mooncake_test_runs == 1  # type: ignore[attr-defined]
+    finally:
+        with contextlib.suppress(AttributeError):
+            del builtins.mooncake_test_runs  # type: ignore[attr-defined]
     for wrong, why in [
         (f"{router_file / 'mine.py'}:Theirs", "has no callable 'Theirs'"),
+        (f"{router_file / 'mine.py'}:RouteDecision", "cannot be called with the TTFT estimator alone"),
         ("fastest", "must be one of"),
     ]:
         config.write_text(f"[policy]\nrouter = {wrong!r}\n")
