@@ -31,7 +31,7 @@ enough of them, varying enough) run on the grid before anything is timed.
 
 The JSON written holds both fits, each as its `to_json` writes it, every
 sample, and what was measured: `model` (the preset's name, or with `--config`
-the cluster's block-key namespace), `dtype`, `block_tokens` and
+the cluster's block-key namespace), `dtype`, `block_tokens`, `chunk_tokens` and
 `pipeline_size` (the processes each prefill ran on), which the cluster checks
 against its own (`serving.models.check_measured_for`):
 `FittedPrefillModel.from_json` reads its "prefill" entry back and
@@ -59,12 +59,11 @@ from mooncake.cache.hashing import BlockHasher
 from mooncake.cli import OneLineParser, one_line
 from mooncake.engine.config import PRESETS
 from mooncake.errors import ConfigError, MooncakeError
-from mooncake.sched.cost import DEFAULT_CHUNK_TOKENS, FittedPrefillModel, PrefillSample, check_prefill_points
+from mooncake.sched.cost import FittedPrefillModel, PrefillSample, check_prefill_points
 from mooncake.sched.step import FittedStepModel, check_step_points
 from mooncake.sim.report import write_json
 from mooncake.types import RequestId, block_count
 
-BLOCK_TOKENS = 16  # without --config
 GROUP_TIMEOUT_S = 120.0  # a CPP group's transfers between stages (the worker's bound is at least 60 s)
 
 
@@ -110,7 +109,9 @@ def main() -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     source.add_argument("--config", type=Path, help="profile this example cluster's engines (module docstring)")
-    parser.add_argument("--dtype", default="float32", help="without --config")
+    parser.add_argument(
+        "--dtype", default="float32", help="without --config (block and chunk size: a cluster's defaults)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="default build/profile/MODEL.json (or CONFIG.json)")
     positive = _grid(int, lambda n: n >= 1, "integers >= 1")
     parser.add_argument("--lengths", type=positive, default="64,128,256,512")
@@ -145,8 +146,10 @@ def run(args: argparse.Namespace) -> None:
         lengths = [n for n in lengths if n <= cluster.limits.max_prompt_tokens]
         batches = [b for b in batches if b <= cluster.decode.max_batch_size]
         name, default_out = cluster.model.namespace, Path("build/profile") / f"{args.config.stem}.json"
-    else:
-        dtype, block, chunk = args.dtype, BLOCK_TOKENS, DEFAULT_CHUNK_TOKENS
+    else:  # the engines a cluster of the preset runs by default: its [model] and [prefill] defaults
+        from serving.config import ModelSection, PrefillSection
+
+        dtype, block, chunk = args.dtype, ModelSection().block_tokens, PrefillSection().chunk_tokens
         name, default_out = args.model, Path("build/profile") / f"{args.model}.json"
     out = args.out or default_out
     # The points each fit will get, as the profiling below makes them: a prefix rounded down to whole blocks (the
@@ -271,6 +274,7 @@ def run(args: argparse.Namespace) -> None:
             "model": name,
             "dtype": dtype,
             "block_tokens": block,
+            "chunk_tokens": chunk,  # a prefill's chunks: a fit is that chunking's time
             "pipeline_size": stages,  # the processes each prefill sample ran on (its fit is that group's time)
             "prefill": json.loads(prefill.to_json()),
             "decode": json.loads(step_model.to_json()),

@@ -750,6 +750,16 @@ def test_profile_engine_fits_and_writes_cost_models(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     prefill = FittedPrefillModel.from_json(json.dumps(data["prefill"]))
     assert len(data["prefill_samples"]) == 6 and prefill.prefill_s(64) >= 0
+    # Without --config, the engines a cluster of the preset runs by default (tiny.toml's too): the cluster takes it.
+    assert (data["model"], data["block_tokens"], data["chunk_tokens"]) == ("tiny", 16, 512)
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from serving.config import load_config
+        from serving.models import cost_models
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    cluster = load_config(ROOT / "examples" / "configs" / "tiny.toml").with_overrides("prefill", profile=str(out))
+    assert cost_models(cluster)[0] == prefill
     step = FittedStepModel(coefficients=tuple(data["decode"]["coefficients"]))
     assert len(data["decode_samples"]) == 6 and step.step_s(2, 100) >= 0
 
@@ -764,7 +774,7 @@ def test_profile_engine_profiles_a_cluster_configs_engines(tmp_path: Path) -> No
     args = ["--lengths", "32,64,96,5000", "--prefix-fractions", "0,0.5", "--batches", "1,2,64", "--repeats", "1"]
     run("profile_engine.py", "--config", str(config), *args, "--out", str(out))
     data = json.loads(out.read_text())
-    assert data["block_tokens"] == 8 and data["model"].startswith("tiny")
+    assert data["block_tokens"] == 8 and data["chunk_tokens"] == 512 and data["model"].startswith("tiny")
     assert {n for n, _, _ in data["prefill_samples"]} == {32, 64, 96}  # 5000 > max_prompt_tokens
     assert {b for b, _, _ in data["decode_samples"]} == {1, 2}  # 64 > max_batch_size
 

@@ -126,6 +126,8 @@ def check_measured_for(profile: dict[str, Any], config: ClusterConfig, *, path: 
       `--config` writes it; or, for a cluster of a preset, that preset's bare name, as `--model` writes it (its
       seed-0 weights: the weights' values do not change the time).
     - "dtype", "block_tokens": `[model] dtype` and `block_tokens`.
+    - "chunk_tokens": `[prefill] chunk_tokens` (a prefill's chunks: another chunking is another time). A profile
+      without it (written before it was recorded) is taken on trust for it.
     - "pipeline_size": `[prefill] pipeline_size`. A profile without it (written before chunked pipelines) timed
       one process: 1.
 
@@ -141,6 +143,7 @@ def check_measured_for(profile: dict[str, Any], config: ClusterConfig, *, path: 
         ("model", names, f"{model.namespace!r}, [model] {model.source}"),
         ("dtype", [model.dtype], f"[model] dtype = {model.dtype!r}"),
         ("block_tokens", [model.block_tokens], f"[model] block_tokens = {model.block_tokens}"),
+        ("chunk_tokens", [config.prefill.chunk_tokens], f"[prefill] chunk_tokens = {config.prefill.chunk_tokens}"),
         ("pipeline_size", [config.prefill.pipeline_size], f"[prefill] pipeline_size = {config.prefill.pipeline_size}"),
     ]
     differences = []

@@ -35,7 +35,13 @@ def tiny(profile: Path, **sections: dict[str, Any]) -> ClusterConfig:
 def write_profile(tmp_path: Path, **measured: Any) -> Path:
     """A profile as profile_engine.py writes it (the tiny cluster's, unless `measured` says otherwise; a value of
     None leaves the field out)."""
-    fields = {"model": "tiny@seed=0/float32", "dtype": "float32", "block_tokens": 16, "pipeline_size": 1}
+    fields = {
+        "model": "tiny@seed=0/float32",
+        "dtype": "float32",
+        "block_tokens": 16,
+        "chunk_tokens": 512,
+        "pipeline_size": 1,
+    }
     fields.update(measured)
     data = {key: value for key, value in fields.items() if value is not None}
     data |= {"prefill": json.loads(PREFILL.to_json()), "decode": json.loads(DECODE.to_json())}
@@ -60,6 +66,8 @@ def test_a_profile_of_this_clusters_engines_is_its_cost_model(tmp_path: Path) ->
         ({"block_tokens": 32}, "this cluster: [model] block_tokens = 16"),
         ({"block_tokens": 16.0}, "this cluster: [model] block_tokens = 16"),
         ({"pipeline_size": 2}, "this cluster: [prefill] pipeline_size = 1"),
+        # a prefill chunked otherwise takes another time (profile_engine.py without --config chunked by 4096)
+        ({"chunk_tokens": 4096}, "this cluster: [prefill] chunk_tokens = 512"),
     ],
 )
 def test_a_profile_of_other_engines_is_refused_naming_the_field_and_both_values(
@@ -96,7 +104,7 @@ def test_a_model_profile_names_the_preset_and_fits_any_seed(tmp_path: Path) -> N
 def test_a_profile_without_the_measured_fields_is_taken_on_trust_but_one_process(tmp_path: Path) -> None:
     """A fit written by hand (no model, dtype or block size) is taken for those; without "pipeline_size" (as
     before chunked pipelines) it timed one process, so a cluster of two-process prefill groups refuses it."""
-    path = write_profile(tmp_path, model=None, dtype=None, block_tokens=None, pipeline_size=None)
+    path = write_profile(tmp_path, model=None, dtype=None, block_tokens=None, chunk_tokens=None, pipeline_size=None)
     assert cost_models(tiny(path)) == (PREFILL, DECODE)
     with pytest.raises(ConfigError, match=r"pipeline_size = 1 \(this cluster: \[prefill\] pipeline_size = 2\)"):
         cost_models(tiny(path, prefill={"pipeline_size": 2}))
