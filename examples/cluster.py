@@ -21,7 +21,6 @@ machines, see docs/cluster.md's Ray section.
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import signal
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mooncake._extras import script_needs_extra
-from mooncake.cli import OneLineParser
+from mooncake.cli import OneLineParser, port
 from mooncake.errors import MooncakeError
 
 with script_needs_extra("cluster"):  # the gateway's aiohttp: the cluster extra, named (not a traceback)
@@ -40,23 +39,6 @@ with script_needs_extra("cluster"):  # the gateway's aiohttp: the cluster extra,
     from serving.machine import Machine
 
 STOP_REPORT_S = CLOSE_S + 10.0  # longer than a stop of local workers takes by design, with a margin
-MAX_PORT = 65_535
-
-
-def port(text: str) -> int:
-    """`--port`'s value: a TCP port, 0 (any free one) to `MAX_PORT`, refused here as the option's (checked as the
-    config's `[cluster] port`, the error would name the config file, which says something else).
-
-    Raises:
-        argparse.ArgumentTypeError: not an integer in that range.
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value <= MAX_PORT:
-        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to {MAX_PORT})")
-    return value
 
 
 def main() -> None:

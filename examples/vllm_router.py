@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_fleet.config import load_router_config
 from vllm_fleet.proxy import VllmRouter
 
-from mooncake.cli import OneLineParser
+from mooncake.cli import OneLineParser, port
 from mooncake.errors import MooncakeError
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
@@ -88,7 +88,7 @@ async def unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> T
 def main() -> None:
     parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--port", type=int, default=None, help="override [router] port (0: any free port)")
+    parser.add_argument("--port", type=port, default=None, help="override [router] port (0: any free port)")
     parser.add_argument(
         "--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", help="in any case: debug is DEBUG"
     )

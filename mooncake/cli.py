@@ -94,6 +94,7 @@ __all__ = [
     "main",
     "one_line",
     "plot_capacity",
+    "port",
     "read_trace",
     "request_count",
     "run_interruptible",
@@ -134,6 +135,25 @@ def integer(minimum: int, *, most: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535. A server's `--port` is refused as the option's:
+    checked as its config file's port, the error would name the file, which says something else.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer in that range.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer") from None
+    if not 0 <= value <= _MAX_PORT:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to {_MAX_PORT})")
+    return value
+
+
+_MAX_PORT = 65_535
 
 
 def request_count(least: int) -> Callable[[str], int]:

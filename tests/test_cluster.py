@@ -877,17 +877,21 @@ def test_launcher_reports_a_bad_config(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("value", "said"), [("70000", "70000 is not a port"), ("-1", "-1 is not a port")])
-def test_launcher_blames_a_bad_port_on_the_option_not_the_file(value: str, said: str) -> None:
+@pytest.mark.parametrize(("script", "config"), [("cluster.py", TINY), ("vllm_router.py", TINY.parent / "router.toml")])
+def test_launcher_blames_a_bad_port_on_the_option_not_the_file(
+    value: str, said: str, script: str, config: Path
+) -> None:
     """A `--port` out of range is the command line's error (argparse's: exit 2, the option named), not the config
-    file's, whose port is fine (it was reported as `tiny.toml: [cluster] port = 70000`)."""
+    file's, whose port is fine (it was reported as `tiny.toml: [cluster] port = 70000`), for the example cluster
+    and the vLLM router alike (`mooncake.cli.port`; the router's blamed its file, exit 1)."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "cluster.py"), "--config", str(TINY), f"--port={value}"],
+        [sys.executable, str(ROOT / "examples" / script), "--config", str(config), f"--port={value}"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 2, (done.returncode, done.stderr)
-    assert f"argument --port: {said}" in done.stderr and str(TINY) not in done.stderr, done.stderr
+    assert f"argument --port: {said}" in done.stderr and str(config) not in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 
