@@ -29,13 +29,14 @@ from serving import registry
 
 from mooncake.errors import ConfigError
 from mooncake.sched.cost import HARDWARE, MODELS, PrefillCostModel
+from mooncake.sched.join import DecodeLoad, check_join
 from mooncake.sched.outcome import Outcome
 from mooncake.sim.coupled import CoupledCluster
 from mooncake.sim.disaggregated import DisaggregatedCluster
 from mooncake.sim.metrics import ReplayResult
 from mooncake.sim.report import plot_lines
 from mooncake.sim.spec import ClusterSpec
-from mooncake.types import Request, Slo
+from mooncake.types import MAX_TOKENS, Request, Slo
 from mooncake.workload import ArrivalProcess, fixed_length_requests
 from paper.common import Report, header, policy_conductor, replay
 
@@ -80,9 +81,15 @@ def _long_context_clusters(spec: ClusterSpec, lengths: Sequence[int]) -> dict[st
             could fill the memory).
     """
     limits = spec.decode_limits
-    holds = min(limits.kv_capacity_tokens, limits.max_context_tokens or limits.kv_capacity_tokens)
+    holds = min(limits.kv_capacity_tokens, limits.max_context_tokens or limits.kv_capacity_tokens)  # for the message
     for length in lengths:
-        if length + OUTPUT_TOKENS > holds:
+        # the decode rule's structural checks on an idle node (its TBT check is the sweep's to find); a length past
+        # any request's (MAX_TOKENS) fits none
+        fits = (
+            length <= MAX_TOKENS
+            and check_join(limits, DecodeLoad(0, 0, 0), prompt_tokens=length, output_tokens=OUTPUT_TOKENS).accepted
+        )
+        if not fits:
             raise ConfigError(
                 f"--lengths must be at most {holds - OUTPUT_TOKENS:,} tokens (with the {OUTPUT_TOKENS} output "
                 f"tokens, what one decode node of {spec.model.name} on {spec.decode_hardware.name} holds), got {length}"
