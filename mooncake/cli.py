@@ -137,6 +137,9 @@ def integer(minimum: int, *, most: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+_MAX_PORT = 65_535
+
+
 def port(text: str) -> int:
     """An argparse type: a TCP port, 0 (any free one) to 65535. A server's `--port` is refused as the option's:
     checked as its config file's port, the error would name the file, which says something else.
@@ -151,9 +154,6 @@ def port(text: str) -> int:
     if not 0 <= value <= _MAX_PORT:
         raise argparse.ArgumentTypeError(f"{value} is not a port (0 to {_MAX_PORT})")
     return value
-
-
-_MAX_PORT = 65_535
 
 
 def request_count(least: int) -> Callable[[str], int]:
