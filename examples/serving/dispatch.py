@@ -388,6 +388,9 @@ class Dispatcher:
             await asyncio.shield(decided)  # at once when decided above
         except asyncio.CancelledError:  # the client left
             if self._waiting.remove(waiter):
+                # An abort, counted once as any end is (as a rerouted request leaving the line is: `_leave_line`),
+                # on no engine yet (`engine=""`).
+                self._finished(live, _unfinished(Reason.CLIENT_GONE), self.now())
                 self._room_freed()  # the head leaving lets the next try
             elif decided.done() and decided.exception() is None and self.live.get(live.request_id) is live:
                 self.end(live, Outcome.ABORTED, Reason.CLIENT_GONE)  # accepted as it left
@@ -540,12 +543,16 @@ class Dispatcher:
                 return
             deadline = self.now() + timeout_s  # from when the reader asks again: a slow client is not a stall
 
-    def finish(self, live: LiveRequest, finish_reason: str) -> None:
+    def finish(self, live: LiveRequest, finish_reason: str, answered_tokens: int | None = None) -> None:
         """The reader's judgement of a request whose text ended: `finish_reason` is its answer's ("stop" or
         "length", the gateway's `_Choice.finish_reason`), the one decision the metrics count too, as vLLM sets its
         finish reason from its detokenizer's stop strings before it counts it. A request still decoding (its text
         reached a stop string first) ends here, cancelled on its decode engine; one its last token ended is counted
-        now, at that token's end time. Nothing for a request already counted."""
+        now, at that token's end time. Nothing for a request already counted. `answered_tokens`: the tokens its
+        answer holds (its usage's), which its generated-tokens figure counts, not those that came after the stop
+        string before the cancellation landed (vLLM counts a request's tokens up to its stop)."""
+        if answered_tokens is not None:
+            live.generated = min(live.generated, answered_tokens)
         if live.request_id in self.live:
             self.end(live, Outcome.COMPLETED, cancel=True, finish_reason=finish_reason)
         elif live.unjudged_end_s is not None:
@@ -769,6 +776,7 @@ class Dispatcher:
             cached_tokens=done.prefix_tokens,
             fetched_bytes=done.fetched_blocks * self._block_bytes,
             pushed_bytes=done.streamed_blocks * self._block_bytes,
+            looked_up=live.request.reuses_prefix,
         )
 
     def _on_tokens(self, report: wire.DecodeTokens) -> None:

@@ -582,7 +582,7 @@ class Gateway:
             choice.feed(token)
             if choice.text.stopped:
                 break
-        self.dispatcher.finish(choice.live, choice.finish_reason())
+        self.dispatcher.finish(choice.live, choice.finish_reason(), choice.answered_tokens())
 
     async def _stream(
         self,
@@ -623,7 +623,7 @@ class Gateway:
                     events.put_nowait(choice.chunk(piece, so_far(choice)))
                 if choice.text.stopped:
                     break
-            self.dispatcher.finish(choice.live, choice.finish_reason())
+            self.dispatcher.finish(choice.live, choice.finish_reason(), choice.answered_tokens())
             events.put_nowait(choice.last_chunk(so_far(choice)))
             events.put_nowait(None)
 
@@ -716,6 +716,11 @@ class _Choice:
         self._unshown: list[tuple[int, TokenLogprobs | None]] = []  # tokens whose text no chunk has carried yet
         self._unshown_ids: list[int] = []  # of them, the generated ones (`return_token_ids`)
         self._end: tuple[str, str, str | int | None] | None = None  # `_ending`, once read
+
+    def answered_tokens(self) -> int | None:
+        """The generated tokens the answer holds (its usage's), which the metrics count; None for an echo-only
+        choice, whose one token drawn the metrics count as vLLM does (it runs such a request for one token)."""
+        return None if self.echo_only else self.count
 
     def feed(self, token: wire.Token) -> str:
         """Take the next token; the text it lets out (none for an echo-only choice)."""

@@ -284,7 +284,7 @@ class ServingMetrics:
         self.success = series(
             Counter,
             "request_success",
-            "Requests finished, by finished_reason (stop, length, abort, error).",
+            "Requests finished, by finished_reason (stop, length, abort, error, repetition).",
             engine,
             "finished_reason",
         )
@@ -399,12 +399,22 @@ class ServingMetrics:
     # ------------------------------------------------------------------ what the dispatcher and gateway report
 
     def prefilled(
-        self, engine: str, *, prompt_tokens: int, cached_tokens: int, fetched_bytes: int, pushed_bytes: int
+        self,
+        engine: str,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        fetched_bytes: int,
+        pushed_bytes: int,
+        looked_up: bool = True,
     ) -> None:
-        """A prefill `engine` finished: its prompt, the part its cache held and the KV bytes it moved."""
+        """A prefill `engine` finished: its prompt, the part its cache held and the KV bytes it moved. `looked_up`:
+        its cache was asked for the prompt's prefix; a prefill that reuses none (`types.prefix_reusable`: one
+        scoring its prompt) counts no query, as vLLM's prefix-cache stats skip such a request."""
         self.prompt_tokens[engine].inc(prompt_tokens)
-        self.prefix_queries[engine].inc(prompt_tokens)
-        self.prefix_hits[engine].inc(cached_tokens)
+        if looked_up:
+            self.prefix_queries[engine].inc(prompt_tokens)
+            self.prefix_hits[engine].inc(cached_tokens)
         self.transfer_bytes[engine, "fetch"].inc(fetched_bytes)
         self.transfer_bytes[engine, "push"].inc(pushed_bytes)
 

@@ -126,7 +126,7 @@ def test_a_client_leaving_as_its_turn_came_passes_the_turn_on(leaves_first: bool
     """A's end admits B from the line while B's client leaves, in either order within one turn of the loop
     (before B's coroutine runs again): B is ended (client gone, cancelled on both its engines) and C, behind it,
     gets the slot, with nothing escaping into the loop. A client leaving while waiting leaves the line and
-    nothing is scheduled for it."""
+    nothing is scheduled for it; it counts as an abort (it was counted nowhere)."""
 
     async def run() -> None:
         async with dispatcher() as d:
@@ -151,6 +151,10 @@ def test_a_client_leaving_as_its_turn_came_passes_the_turn_on(leaves_first: bool
             e.cancel()
             await settle()
             assert len(d._waiting) == 0 and set(d.conductor.in_flight) == {c.result().request_id}
+            # Every end counts once: B's (admitted as it left, in either order) and E's as aborts, E's, which left
+            # the line, on no engine yet (`engine=""`).
+            aborts = {engine: d.metrics.success[engine, "abort"]._value.get() for engine in ("", DECODE)}  # type: ignore[attr-defined]
+            assert aborts == {"": 1, DECODE: 1}
 
     asyncio.run(run())
 

@@ -351,6 +351,34 @@ def test_a_last_token_ends_the_request_and_its_reader_judges_its_finish(ignore_e
 # ---------------------------------------------------------------------------------------------- the prefill job
 
 
+def test_the_answer_counts_its_tokens_and_a_scored_prompt_looks_up_no_cache() -> None:
+    """A request its reader ends at a stop string counts the tokens its answer holds (its usage's), not those that
+    came after the stop before its cancellation landed (vLLM counts a request's tokens up to its stop); a request
+    scoring its prompt (`prompt_logprobs`, computed whole) counts no prefix-cache query or hit, as vLLM's stats
+    skip it, while its prompt tokens still count."""
+
+    async def run() -> None:
+        async with dispatching() as d:
+            live = await admitted(d, max_tokens=8)
+            d.submit(live)
+            prefilled(d, live)
+            joined(d, live)
+            d._dispatch(tokens(live, (5, 0, False), (6, 1, False), (7, 2, False), (8, 3, False)))
+            d.finish(live, "stop", 2)  # its text reached a stop string at its second token
+            assert counted(d, live.decode) == {"stop": 1}
+            assert sample(d, "request_generation_tokens_sum", engine=live.decode) == 2
+            queries = sample(d, "prefix_cache_queries_total", engine=live.prefill)
+            assert (queries, sample(d, "prefix_cache_hits_total", engine=live.prefill)) == (40, 16)
+            scored = await admitted(d, 100, prompt_logprobs=1)
+            d.submit(scored)
+            prefilled(d, scored)
+            assert sample(d, "prefix_cache_queries_total", engine=scored.prefill) == queries
+            assert sample(d, "prefix_cache_hits_total", engine=scored.prefill) == 16
+            assert sample(d, "prompt_tokens_total", engine=scored.prefill) == 80
+
+    asyncio.run(run())
+
+
 def test_the_prefill_job_carries_the_requests_sampling_and_decode_node() -> None:
     """`submit` sends the prefill worker one job per attempt: the prompt, the decode node it hands on to, and the
     request's sampling as asked (temperature, top_p, min_tokens, a seed drawn once when none was given, a given
