@@ -153,10 +153,9 @@ def check_machine(config: ClusterConfig, machine: Machine) -> None:
             f"memory asked, {_bytes(machine.shm_free_bytes)} free in {SHM}"
         )
     weights = nodes * shape.weight_bytes
-    from serving.models import decode_limits  # models imports the config, which imports this module
-
-    # what the decode engines' KV takes: their DecodeConfig's own capacity (`decode_limits`), not a copy of its rule
-    slots = config.cluster.num_decode * decode_limits(config).kv_capacity_tokens * shape.kv_bytes_per_token
+    # what the decode engines' KV tensors take: each allocates max_batch_size slots of max_context_tokens
+    # (engine.decode), whatever budget the decode rule admits against
+    slots = config.cluster.num_decode * decode.max_batch_size * decode.max_context_tokens * shape.kv_bytes_per_token
     processes = (nodes + config.cluster.num_prefill * (config.prefill.pipeline_size - 1)) * PROCESS_BYTES
     ram = pools + weights + slots + processes
     if machine.ram_available_bytes is not None and ram > machine.ram_available_bytes:

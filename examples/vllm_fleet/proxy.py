@@ -966,6 +966,7 @@ class VllmRouter:
             cached_tokens=flight.cached_tokens if flight.cached_tokens is not None else flight.decision.prefix_tokens,
             fetched_bytes=0,
             pushed_bytes=0,
+            looked_up=request.reuses_prefix,  # a scored prompt reads no cached prefix: no query, as vLLM counts it
         )
         self.metrics.finished(
             FinishedRequest(

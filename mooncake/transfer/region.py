@@ -174,8 +174,6 @@ def attach_shared(name: str) -> shared_memory.SharedMemory:
     clean unlink made the tracker print a KeyError. No module global is swapped for it (another library's swap,
     or a fork, could catch it half done).
     """
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, create=False, track=False)  # type: ignore[call-arg]
     return _Attached(name)
 
 
@@ -201,10 +199,16 @@ class _Created(shared_memory.SharedMemory):
 
 
 class _Attached(shared_memory.SharedMemory):
-    """An existing segment mapped as `SharedMemory(name)` maps it on POSIX, less its `resource_tracker.register`
-    (3.13's `track=False`; used on 3.11 and 3.12 only, whose SharedMemory is fixed: these are its attributes)."""
+    """An existing segment mapped as `SharedMemory(name)` maps it on POSIX, less its `resource_tracker.register`:
+    3.13's `track=False`; on 3.11 and 3.12, whose SharedMemory is fixed, its own mapping (these are its
+    attributes). A pickled one is mapped by `attach_shared` again, untracked there too (SharedMemory's own
+    pickling would map it tracked)."""
 
-    def __init__(self, name: str) -> None:  # not SharedMemory's: it would register the segment
+    def __init__(self, name: str) -> None:
+        if sys.version_info >= (3, 13):
+            super().__init__(name=name, create=False, track=False)  # type: ignore[call-arg]
+            return
+        # not SharedMemory's constructor: it would register the segment
         self._name, self._flags, self._mode = "/" + name, os.O_RDWR, 0o600
         self._fd = _posixshmem.shm_open(self._name, self._flags, mode=self._mode)
         try:

@@ -379,6 +379,28 @@ def test_the_answer_counts_its_tokens_and_a_scored_prompt_looks_up_no_cache() ->
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("said", ["kv_budget", "ttft_slo", "client_gone", "no_such_reason"])
+def test_a_decode_refusal_ends_the_request_whatever_reason_it_names(said: str) -> None:
+    """A decode worker's refusal ends its request once, everywhere (the Conductor, the metrics, the client's
+    429): with its reason where it names a decode refusal, else as `decode_rejected`, a refusal without a known
+    why (a peer of another version). One naming a reason of another kind left the request half ended: out of
+    the gateway's books, still in the Conductor's, its client never told."""
+
+    async def run() -> None:
+        async with dispatching() as d:
+            live = await admitted(d)
+            d.submit(live)
+            prefilled(d, live)
+            d._dispatch(wire.DecodeRejected(**ids(live, live.decode), reason=said))
+            reason = Reason(said) if said in {r.value for r in DECODE_REFUSALS} else Reason.DECODE_REJECTED
+            assert live.request_id not in d.live and d.conductor.in_flight == ()
+            kind, error = live.events.get_nowait()
+            assert kind == "error" and error.status == 429
+            assert sample(d, "request_rejected_total", reason=f"decode_{reason.value}") == 1
+
+    asyncio.run(run())
+
+
 def test_the_prefill_job_carries_the_requests_sampling_and_decode_node() -> None:
     """`submit` sends the prefill worker one job per attempt: the prompt, the decode node it hands on to, and the
     request's sampling as asked (temperature, top_p, min_tokens, a seed drawn once when none was given, a given

@@ -119,6 +119,18 @@ def test_prefix_hits_are_counted_as_the_server_reports_them(fakes: list[FakeVllm
         hits = [line for line in metrics.splitlines() if line.startswith("mooncake:prefix_cache_hits_total")]
         assert sum(float(line.rsplit(" ", 1)[1]) for line in hits) == 14, metrics
 
+        def total(family: str) -> float:
+            lines = fetch(f"{router.url}/metrics").text.splitlines()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(family))
+
+        # A scored prompt reads no cached prefix on vLLM: its prompt counts, no query or hit, as vLLM counts it.
+        queries, prompts = total("mooncake:prefix_cache_queries_total"), total("mooncake:prompt_tokens_total")
+        body = {"model": "tiny", "prompt": "bada keli", "max_tokens": 2, "prompt_logprobs": 1}
+        assert post(f"{router.url}/v1/completions", body)[0] == 200
+        assert total("mooncake:prefix_cache_queries_total") == queries
+        assert total("mooncake:prompt_tokens_total") > prompts
+        assert total("mooncake:prefix_cache_hits_total") == 14
+
 
 def test_a_failing_server_is_routed_around_and_restored(fakes: list[FakeVllm], tokenizer_dir: Path) -> None:
     with BackgroundRouter(router_config(fakes, tokenizer_dir, health_interval_s=30.0)) as router:
