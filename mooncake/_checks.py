@@ -5,6 +5,7 @@ An "integer" is any `numbers.Integral` but bool (numpy integers included).
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator
@@ -152,6 +153,21 @@ def fraction(_instance: object, attribute: Any, value: Any) -> None:
     """An attrs validator: a share of a peak (an efficiency, a utilisation), in (0, 1]."""
     if require_number(attribute.name, value, minimum=0, strict=True) > 1:
         raise ConfigError(f"{attribute.name} is a fraction of a peak, at most 1, got {shown(value)}")
+
+
+def binding_error(function: Callable[..., Any], *args: Any, **kwargs: Any) -> TypeError | None:
+    """Why `function` cannot be called with these arguments (the TypeError binding them to its signature
+    raises), or None when it can, or has no signature to tell (a builtin: its call will say). Nothing is called:
+    a policy or factory is checked when it is plugged in, not in the middle of a run."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        return error
+    return None
 
 
 def ceil_div(numerator: int, denominator: int) -> int:

@@ -82,7 +82,7 @@ import numpy as np
 from mooncake.engine.logprobs import TokenLogprobs
 from mooncake.errors import MooncakeError
 from mooncake.sched.conductor import Conductor, ScheduleDecision
-from mooncake.sched.outcome import DECODE_REFUSALS, Outcome, Reason, RequestEnd, reason_named
+from mooncake.sched.outcome import Outcome, Reason, RequestEnd, refusal_named
 from mooncake.sched.view import (
     DecodeFinished,
     DecodeJoined,
@@ -733,9 +733,7 @@ class Dispatcher:
             )
             self.conductor.handle(joined)
         elif isinstance(message, wire.DecodeRejected):
-            reason = reason_named(message.reason)
-            if reason not in DECODE_REFUSALS:  # a refusal saying no decode reason (a peer of another version): none
-                reason = Reason.DECODE_REJECTED
+            reason = refusal_named(message.reason)
             self.metrics.rejections[f"decode_{reason.value}"].inc()
             self._fail(
                 live, rejection_error(reason, Outcome.REJECTED_AFTER_PREFILL), Outcome.REJECTED_AFTER_PREFILL, reason

@@ -42,6 +42,7 @@ from mooncake.sched.outcome import (
     RequestEnd,
     http_status,
     reason_named,
+    refusal_named,
 )
 from mooncake.sched.predictor import (
     DEFAULT_DECODE_S,
@@ -167,6 +168,7 @@ __all__ = [
     "local_cache_aware_router",
     "predictive_early_rejection",
     "reason_named",
+    "refusal_named",
     "room_wait_deadline",
     "score_predictor",
     "ttft_estimator",

@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable
 
-from mooncake._checks import shown
+from mooncake._checks import binding_error, shown
 from mooncake.cache.hashing import BlockHasher
 from mooncake.errors import ConfigError
 from mooncake.sched.admission import AdmissionPolicy, EarlyRejection
@@ -89,19 +89,13 @@ def check_router_factory(router: object) -> None:
     """
     if not callable(router):
         raise ConfigError(f"router must be a router class or factory taking the TTFT estimator, got {shown(router)}")
-    try:
-        signature = inspect.signature(router)
-    except (TypeError, ValueError):  # a builtin without a signature: let the call tell
-        signature = None
-    if signature is not None:
-        try:
-            signature.bind(object())
-        except TypeError as error:
-            name = getattr(router, "__qualname__", repr(router))
-            raise ConfigError(
-                f"router factory {name}({', '.join(signature.parameters)}) cannot be called with the TTFT estimator alone ({error}): a router "
-                "factory takes the estimator and returns a router (see mooncake.sched.build.RouterFactory)"
-            ) from None
+    if (error := binding_error(router, object())) is not None:
+        name = getattr(router, "__qualname__", repr(router))
+        parameters = ", ".join(inspect.signature(router).parameters)
+        raise ConfigError(
+            f"router factory {name}({parameters}) cannot be called with the TTFT estimator alone ({error}): a router "
+            "factory takes the estimator and returns a router (see mooncake.sched.build.RouterFactory)"
+        )
     if isinstance(router, type) and not callable(getattr(router, "route", None)):
         # a class that is no router (dict, say) would fail inside its own constructor, or only at the check
         # of the instance it made

@@ -43,7 +43,6 @@ from __future__ import annotations
 import collections
 import enum
 import heapq
-import inspect
 import itertools
 import math
 import random
@@ -54,7 +53,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from mooncake._checks import require_bool, require_int, require_number, require_str, shown
+from mooncake._checks import binding_error, require_bool, require_int, require_number, require_str, shown
 from mooncake.cache.events import CacheEvent, SequenceGap
 from mooncake.cache.hashing import reusable_prefix_tokens
 from mooncake.cache.index import BlockIndex, key_array
@@ -156,17 +155,11 @@ def _check_call(
     Raises:
         ConfigError: it cannot be called so, naming the policy and the call.
     """
-    try:
-        signature = inspect.signature(method)
-    except (TypeError, ValueError):  # a builtin without a signature: its call tells
-        return
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as error:
+    if (error := binding_error(method, *args, **kwargs)) is not None:
         raise ConfigError(
             f"{name} {shown(method.__self__ if hasattr(method, '__self__') else method)}: its {call} cannot be "
             f"called as the Conductor calls it ({error}; see its Protocol)"
-        ) from None
+        )
 
 
 class Conductor:

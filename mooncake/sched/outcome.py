@@ -23,7 +23,16 @@ from mooncake._checks import shown
 from mooncake.errors import InvalidRequestError
 from mooncake.types import RequestId, check_request_id
 
-__all__ = ["ABORT_REASONS", "DECODE_REFUSALS", "Outcome", "Reason", "RequestEnd", "http_status", "reason_named"]
+__all__ = [
+    "ABORT_REASONS",
+    "DECODE_REFUSALS",
+    "Outcome",
+    "Reason",
+    "RequestEnd",
+    "http_status",
+    "reason_named",
+    "refusal_named",
+]
 
 
 class Outcome(enum.Enum):
@@ -99,6 +108,14 @@ def reason_named(value: object) -> Reason:
         return Reason(value)
     except ValueError:
         return Reason.DECODE_REJECTED
+
+
+def refusal_named(value: object) -> Reason:
+    """`reason_named` for a decode instance's refusal (as its worker sends it): one naming no reason of
+    `DECODE_REFUSALS` (a peer of another version) is DECODE_REJECTED, a refusal without a known why, so that the
+    request still ends as one (`sched.view.RequestRejected` takes no other)."""
+    reason = reason_named(value)
+    return reason if reason in DECODE_REFUSALS else Reason.DECODE_REJECTED
 
 
 _UNAVAILABLE = frozenset({Reason.NO_PREFILL_INSTANCE, Reason.NO_DECODE_INSTANCE})

@@ -13,7 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mooncake.errors import InvalidRequestError
-from mooncake.sched.outcome import Outcome, Reason, RequestEnd, http_status, reason_named
+from mooncake.sched.outcome import (
+    DECODE_REFUSALS,
+    Outcome,
+    Reason,
+    RequestEnd,
+    http_status,
+    reason_named,
+    refusal_named,
+)
 from mooncake.types import RequestId
 
 
@@ -69,3 +77,13 @@ def test_the_values_are_the_documented_wire_vocabulary() -> None:
         "failed",
     ]
     assert all(member.value == member.name.lower() for member in [*Outcome, *Reason])
+
+
+@given(value=st.one_of(st.sampled_from([reason.value for reason in Reason]), st.text(max_size=12), st.none()))
+def test_a_refusal_is_named_as_one_of_the_decode_refusals(value: object) -> None:
+    """`refusal_named` reads a decode worker's refusal: its reason where it is one of `DECODE_REFUSALS`, else
+    DECODE_REJECTED (a refusal without a known why), never a reason `RequestRejected` would refuse."""
+    named = refusal_named(value)
+    assert named in DECODE_REFUSALS
+    known = reason_named(value)
+    assert named is (known if known in DECODE_REFUSALS else Reason.DECODE_REJECTED)
